@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create the virtual environment (.venv, or $TIANXIA_VENV) and install tianxia into it.
+#   scripts/setup.sh          runtime dependencies
+#   scripts/setup.sh test     also the test dependencies
+# torch is installed first and on its own: $TIANXIA_TORCH (default torch==2.13.0) lets a machine
+# pick its own build, e.g. TIANXIA_TORCH="torch --index-url https://download.pytorch.org/whl/cpu".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${TIANXIA_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q ${TIANXIA_TORCH:-torch==2.13.0}
+fi
+if [ "${1:-}" = "test" ]; then
+    "$PY" -m pip install -q -e ".[test]"
+else
+    "$PY" -m pip install -q -e .
+fi

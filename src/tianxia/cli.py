@@ -1,0 +1,188 @@
+"""The ``tianxia`` command line: ``run``, ``chat``, ``pull``, ``models``.
+
+``run`` and ``chat`` follow llama.cpp's flags (``-m -p -n -c -t --temp --seed``). Every expected
+failure (unknown model, bad file, bad parameter) ends in a one-line ``error:`` message and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from tianxia import __version__
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help="pulled model name, .gguf path or Hugging Face directory (default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", "--max-model-len", dest="max_model_len", type=int, default=None,
+                   help="context length (default: the model's, capped by the KV cache)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 2GiB")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p (default: %(default)s)")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template overriding the model's")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+
+
+def _make_llm(args: argparse.Namespace):
+    from tianxia import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed if args.seed is not None else 0,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads,
+        chat_template=args.chat_template,
+    )
+
+
+def _params(args: argparse.Namespace, max_tokens: int):
+    from tianxia import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_tokens=max_tokens,
+    )
+
+
+def _stream(llm, prompt, params) -> tuple[int, int, float, float]:
+    """Generate one request, writing text to stdout as it comes; returns token counts and times."""
+    engine = llm.engine
+    rid = f"cli-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    seq = engine.requests[rid][0]
+    t_first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if t_first is None and seq.num_output_tokens:
+            t_first = time.perf_counter()
+        sys.stdout.write(seq.detok.delta(seq.is_finished))
+        sys.stdout.flush()
+    t_end = time.perf_counter()
+    return seq.num_prompt_tokens, seq.num_output_tokens, (t_first or t_end) - t0, t_end - (t_first or t_end)
+
+
+def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float) -> None:
+    pp = n_prompt / t_prompt if t_prompt > 0 else float("inf")
+    tg = (n_gen - 1) / t_gen if n_gen > 1 and t_gen > 0 else float("nan")
+    print(
+        f"\n\nprompt eval: {n_prompt} tokens in {t_prompt * 1000:.1f} ms ({pp:.2f} tokens/s)\n"
+        f"generation:  {n_gen} tokens in {(t_prompt + t_gen) * 1000:.1f} ms total "
+        f"({tg:.2f} tokens/s after the first)",
+        file=sys.stderr,
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    prompt = args.prompt
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompt = f.read()
+    if prompt is None:
+        raise ValueError("no prompt: pass -p PROMPT or -f FILE")
+    if args.conversation:
+        prompt = {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": prompt}])}
+    else:
+        print(prompt, end="", flush=True)
+    n = args.n_predict if args.n_predict and args.n_predict > 0 else None
+    timings = _stream(llm, prompt, _params(args, n))
+    _print_timings(*timings)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    messages: list[dict[str, str]] = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat with the model; Ctrl-D or /exit to quit, /reset to start over", file=sys.stderr)
+    while True:
+        if interactive:
+            print("\n> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system_prompt else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = llm.apply_chat_template(messages)
+        params = _params(args, args.n_predict if args.n_predict and args.n_predict > 0 else None)
+        engine = llm.engine
+        rid = f"chat-{time.monotonic_ns()}"
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        seq = engine.requests[rid][0]
+        while engine.has_unfinished_requests():
+            engine.step()
+            sys.stdout.write(seq.detok.delta(seq.is_finished))
+            sys.stdout.flush()
+        print()
+        messages.append({"role": "assistant", "content": seq.detok.text})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tianxia.loader import hub
+
+    parser = argparse.ArgumentParser(prog="tianxia", description="LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"tianxia {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text for one prompt (llama.cpp style)")
+    _add_engine_args(run)
+    run.add_argument("-p", "--prompt", default=None)
+    run.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    run.add_argument("-n", "--n-predict", type=int, default=128,
+                     help="tokens to generate, -1 = until EOS or the context is full (default: %(default)s)")
+    run.add_argument("-cnv", "--conversation", action="store_true",
+                     help="wrap the prompt in the model's chat template")
+    run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    _add_engine_args(chat)
+    chat.add_argument("-n", "--n-predict", type=int, default=-1)
+    chat.add_argument("-sys", "--system-prompt", default=None)
+    chat.set_defaults(func=cmd_chat)
+
+    hub.add_pull_parser(sub)
+    hub.add_models_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tianxia.loader.errors import ModelLoadError
+    from tianxia.loader.hub import ModelNotFoundError, PullError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = getattr(args, "log_level", "warning").upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, ModelLoadError, ModelNotFoundError, PullError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

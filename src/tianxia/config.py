@@ -1,0 +1,78 @@
+"""Frozen configuration objects shared by the loader, the engine and the front ends."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer, in Hugging Face terms.
+
+    Both loaders (GGUF metadata and HF ``config.json``) produce this object, so a model file never
+    needs to know where its weights came from.
+    """
+
+    architecture: str  # "llama", "qwen2", "mistral", ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False  # bias on q/k/v projections (qwen2)
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 2 << 30  # bytes given to the KV cache on CPU
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # overrides kv_cache_memory when set (tests, tiny caches)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1.5G"`` or a plain byte count into bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}: use e.g. '2GiB', '512MiB' or a byte count")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if (binary or unit) else 1
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
+    return int(number * base**power)

@@ -1,0 +1,75 @@
+"""Incremental detokenization and stop strings.
+
+Each step decodes only a short window of tokens: the text of ``ids[prefix:read]`` is already known,
+so the new text is ``decode(ids[prefix:])`` minus it. A window that ends in U+FFFD is an unfinished
+multi-byte character (byte-fallback or split UTF-8) and is held back until the next token
+completes it, so streamed deltas never carry broken characters.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Tokens decoded before the new ones, so that leading-space rules (SentencePiece) come out right.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.include_stop = include_stop
+        self.skip_special = skip_special_tokens
+        self.stop_hold = max((len(s) for s in stop), default=1) - 1
+        self.streamed = 0  # characters of ``text`` already handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def append(self, token_id: int) -> str | None:
+        """Add one token; returns the stop string if the text now contains one."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            start = max(0, len(self.text) - self.stop_hold)
+            self.text += new
+            return self._check_stop(start)
+        return None
+
+    def _check_stop(self, start: int) -> str | None:
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1:
+                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                return s
+        return None
+
+    def flush(self) -> None:
+        """At the end of a sequence, take whatever is held back (even an unfinished character)."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.ids)
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet streamed; while running, the tail that could begin a stop string is held."""
+        end = len(self.text) if finished or not self.stop else max(self.streamed, len(self.text) - self.stop_hold)
+        out = self.text[self.streamed : end]
+        self.streamed = end
+        return out

@@ -1,0 +1,108 @@
+"""One token budget per step; no separate prefill and decode phases (vLLM v1's scheduler).
+
+Each step, running sequences are served first (a decode is one token, an unfinished prompt gets
+its next chunk), then waiting ones are admitted first-come first-served while budget, sequence
+slots and KV blocks last. When a running sequence cannot get a block, the newest running sequence
+is preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tianxia.config import SchedulerConfig
+from tianxia.engine.block_manager import BlockManager
+from tianxia.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
+    rejected: list[Sequence] = field(default_factory=list)  # can never fit the KV cache
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, num_new)
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+
+        preempted_this_step = out.num_preempted > 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if preempted_this_step:
+                break  # memory is short right now; admitting more would only thrash
+            seq = self.waiting[0]
+            cached = bm.lookup_prefix(seq) if not seq.block_table else []
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = min(len(seq) - seq.num_computed_tokens - num_cached_tokens, budget)
+            if not bm.can_allocate(seq, num_new, cached):
+                if not self.running:
+                    # Nothing will free memory: the request cannot fit the cache even alone.
+                    self.waiting.popleft()
+                    seq.status = SequenceStatus.FINISHED
+                    out.rejected.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            bm.take_cached(seq, cached)
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            bm.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks and remove it from the queues."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)

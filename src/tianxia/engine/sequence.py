@@ -1,0 +1,86 @@
+"""A sequence being generated, and its life cycle."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from tianxia.sampling_params import SamplingParams
+
+_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """Tokens (prompt then output), how many of them the KV cache holds, and the blocks holding them.
+
+    After a recompute preemption the output tokens stay in ``token_ids`` and are prefilled again
+    with the prompt; ``num_prompt_tokens`` still marks where the output starts.
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "index", "prompt", "token_ids", "num_prompt_tokens", "params",
+        "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
+        "stop_reason", "arrival_time", "first_token_time", "generator", "detok",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+    ) -> None:
+        self.seq_id = next(_counter)
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.detok = None  # set by the engine (IncrementalDetokenizer)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={len(self)}, "
+            f"computed={self.num_computed_tokens}, status={self.status.name})"
+        )

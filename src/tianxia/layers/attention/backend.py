@@ -1,0 +1,71 @@
+"""The attention backend interface and its registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat batch.
+
+    Sequences are ordered decodes first (one query token each), then prefills (chunks of a prompt,
+    possibly continuing a cached prefix), so backends can treat the decodes as one dense batch.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    seq_lens: list[int]  # context length of each sequence after this step
+    query_lens: list[int]  # new tokens of each sequence in this step
+    query_start_loc: list[int]  # offsets into the flat batch, len num_seqs + 1
+    num_decodes: int  # the first num_decodes sequences have query_len == 1
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same as seq_lens
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer and writes the layer's new K/V into its cache."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hk, D]
+        v: torch.Tensor,  # [T, Hk, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hk, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str):
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """Pick the backend for ``device`` (or the one named), importing it lazily."""
+    from tianxia.layers.attention import cpu  # noqa: F401  (registers "torch")
+
+    if name is None:
+        name = "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

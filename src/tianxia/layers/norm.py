@@ -1,0 +1,27 @@
+"""RMSNorm, computed in float32 as the reference implementations do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalize ``x``; with ``residual``, add it first and also return the new residual.
+
+        Fusing the residual add here keeps one pass over the hidden state per sub-layer.
+        """
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(orig_dtype)
+        return out if residual is None else (out, residual)

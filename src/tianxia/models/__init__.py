@@ -1,0 +1,1 @@
+"""Model families; :mod:`tianxia.models.registry` maps architecture names to classes."""

@@ -1,0 +1,28 @@
+"""Results returned by the engine, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string or token that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,191 @@
+"""The paged, continuously batched engine on the real SmolLM2 model: batching, preemption,
+prefix caching, chunked prefill, and the errors users hit first."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from helpers import assert_greedy_match
+
+from tianxia import LLM, SamplingParams
+from tianxia.loader.errors import ModelLoadError
+from tianxia.loader.hub import ModelNotFoundError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+# 16 prompts of quite different lengths (4 to ~200 tokens)
+MIXED_PROMPTS = [
+    "Hi",
+    "The capital of Italy is",
+    "Write a haiku about autumn leaves falling on a quiet pond.",
+    "def quicksort(arr):\n    ",
+    "In 1492, Columbus sailed the ocean blue. " * 6,
+    "Translate to French: I would like a cup of coffee, please.",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time " * 20,
+    "import numpy as np\nimport torch\n\n# a function that",
+    "The mitochondria is",
+    "Here is a list of fruits: apple, banana, cherry, " + "grape, " * 30,
+    "Dear Sir or Madam,\n",
+    "Explain gradient descent to a five-year-old.",
+    "SELECT name FROM users WHERE",
+    "The three laws of robotics are",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
+]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _check_same(llm: LLM, prompts, expected, got, label: str) -> None:
+    """Greedy runs must agree; where they don't, it must be at a near-tie of our own logits."""
+    tok = llm.get_tokenizer()
+    for p, e, g in zip(prompts, expected, got):
+        ids = tok.encode(p) if isinstance(p, str) else p["prompt_token_ids"]
+        assert_greedy_match(e, g, lambda i: llm.engine.score(ids + e[:i])[-1], f"{label} {p[:20]!r}")
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2_llm):
+    return [_tokens(smollm2_llm.generate(p, GREEDY, use_tqdm=False))[0] for p in MIXED_PROMPTS]
+
+
+def test_batch_invariance(smollm2_llm, alone):
+    batched = _tokens(smollm2_llm.generate(MIXED_PROMPTS, GREEDY))
+    _check_same(smollm2_llm, MIXED_PROMPTS, alone, batched, "batched")
+
+
+def test_preemption_under_a_tiny_cache(smollm2_path, alone):
+    # 24 blocks of 16 = 384 tokens; the 16 requests need ~1,100 tokens at once
+    llm = LLM(str(smollm2_path), num_kv_blocks=24, max_model_len=384, seed=0)
+    out = _tokens(llm.generate(MIXED_PROMPTS, GREEDY))
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == 24 and stats["num_running"] == 0
+    _check_same(llm, MIXED_PROMPTS, alone, out, "preempted")
+
+
+def test_prefix_cache_computes_only_new_tokens(smollm2_path):
+    llm = LLM(str(smollm2_path), kv_cache_memory="64MiB", seed=0)
+    nocache = LLM(str(smollm2_path), kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    system = "You are a careful assistant. Answer briefly and precisely. " * 12
+    first, second = system + "What is 2+2?", system + "Name a color."
+    shared = len(tok.encode(system))
+    llm.generate(first, GREEDY, use_tqdm=False)
+    before = llm.engine.stats()
+    out = llm.generate(second, GREEDY, use_tqdm=False)[0]
+    after = llm.engine.stats()
+    n_prompt = len(out.prompt_token_ids)
+    computed = after["prompt_tokens"] - before["prompt_tokens"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits == out.num_cached_tokens and hits >= shared - 16  # all full blocks of the shared part
+    assert computed == n_prompt - hits
+    assert computed < n_prompt - 100
+    ref = nocache.generate(second, GREEDY, use_tqdm=False)[0]
+    assert nocache.engine.stats()["prefix_cache_hits"] == 0
+    _check_same(nocache, [second], [ref.outputs[0].token_ids], [out.outputs[0].token_ids], "prefix")
+
+
+def test_chunked_prefill_matches_unchunked(smollm2_path, smollm2_llm):
+    prompt = "The history of the printing press begins " + "in the fifteenth century, " * 40
+    chunked = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_num_batched_tokens=64, seed=0)
+    n = len(chunked.get_tokenizer().encode(prompt))
+    assert n > 3 * 64
+    got = _tokens(chunked.generate(prompt, GREEDY, use_tqdm=False))
+    ref = _tokens(smollm2_llm.generate(prompt, GREEDY, use_tqdm=False))
+    _check_same(smollm2_llm, [prompt], ref, got, "chunked")
+
+
+def test_stop_strings_eos_and_max_tokens(smollm2_llm):
+    base = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))[0]
+    text = base.outputs[0].text
+    assert base.outputs[0].finish_reason in ("length", "stop")
+    assert len(base.outputs[0].token_ids) <= 20
+    stop = text.strip().split()[1]  # a word the model really produces
+    out = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=20, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and text.startswith(out.text)
+    chat = smollm2_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200))
+    assert chat[0].outputs[0].finish_reason == "stop"  # ended by the model's EOS (<|im_end|>)
+
+
+def test_seeded_sampling_is_reproducible(smollm2_llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    a = smollm2_llm.generate("Tell me a story about", p, use_tqdm=False)[0].outputs[0].token_ids
+    b = smollm2_llm.generate(["Hello", "Tell me a story about", "World"], p)[1].outputs[0].token_ids
+    c = smollm2_llm.generate("Tell me a story about", SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert a == b and a != c[0].outputs[0].token_ids
+
+
+def test_prompt_longer_than_max_model_len(smollm2_llm):
+    long = "word " * 3000
+    with pytest.raises(ValueError, match="maximum context length is 2048"):
+        smollm2_llm.generate(long, GREEDY, use_tqdm=False)
+    assert smollm2_llm.engine.stats()["num_free_blocks"] == smollm2_llm.engine.block_manager.num_blocks
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(ModelNotFoundError) as e:
+        LLM("no-such-model")
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma-3-270m"):
+        assert name in str(e.value)
+
+
+def test_truncated_gguf_is_a_clear_error(smollm2_path, tmp_path):
+    bad = tmp_path / "truncated.gguf"
+    with open(smollm2_path, "rb") as src, open(bad, "wb") as dst:
+        dst.write(src.read(smollm2_path.stat().st_size // 2))
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(bad))
+    assert str(bad) in str(e.value) and "truncated" in str(e.value)
+
+
+def test_garbage_gguf_is_a_clear_error(tmp_path):
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 4096)
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        LLM(str(bad))
+
+
+def test_missing_tensor_is_named(smollm2_path, tmp_path):
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(smollm2_path))
+    out = tmp_path / "missing.gguf"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if t.name == "blk.3.ffn_up.weight":
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=shape if t.tensor_type.name == "F32" else None,
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\): blk\.3\.ffn_up\.weight"):
+        LLM(str(out))
+
+
+def test_copied_gguf_path_loads(smollm2_path, tmp_path):
+    # a GGUF anywhere on disk works, not just pulled names
+    copy = tmp_path / "model.gguf"
+    shutil.copy(smollm2_path, copy)
+    llm = LLM(str(copy), kv_cache_memory="32MiB")
+    assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids

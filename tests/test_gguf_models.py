@@ -1,0 +1,75 @@
+"""Real GGUF models: our greedy tokens against transformers loading the same GGUF (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_greedy_match
+from transformers import AutoModelForCausalLM
+
+from tianxia import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "The theory of relativity was developed by",
+]
+NEW_TOKENS = 32
+
+
+def _reference(path, prompts_ids: list[list[int]]):
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    results = []
+    for ids in prompts_ids:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+            )
+        tokens = out.sequences[0, len(ids):].tolist()
+        results.append((tokens, [step[0] for step in out.logits]))
+    return results
+
+
+def _check_model(llm: LLM, path) -> None:
+    tok = llm.get_tokenizer()
+    prompts_ids = [tok.encode(p) for p in PROMPTS]
+    ours = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts_ids],
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    reports = []
+    for prompt, (expected, logits), out in zip(PROMPTS, _reference(path, prompts_ids), ours):
+        reports.append(assert_greedy_match(expected, out.outputs[0].token_ids, lambda i: logits[i], repr(prompt)))
+    print("\n".join(reports))
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_path):
+    _check_model(smollm2_llm, smollm2_path)
+
+
+def test_qwen2_greedy_matches_transformers(qwen_path):
+    llm = LLM(str(qwen_path), kv_cache_memory="256MiB", max_model_len=1024)
+    assert llm.engine.model_config.architecture == "qwen2"
+    assert llm.engine.model_config.attention_bias
+    _check_model(llm, qwen_path)
+
+
+def test_gguf_metadata_gives_config_and_chat_template(smollm2_llm):
+    cfg = smollm2_llm.engine.model_config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.tie_word_embeddings and not cfg.attention_bias
+    ids = smollm2_llm.apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert "<|im_start|>user\nHello<|im_end|>" in smollm2_llm.get_tokenizer().decode(ids)
+
+
+def test_chat_answers_with_the_template(smollm2_llm):
+    out = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
+    assert "Paris" in out[0].outputs[0].text
