@@ -36,6 +36,13 @@ def smollm2_llm(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def qwen_llm(qwen_path):
+    from tianxia import LLM
+
+    return LLM(str(qwen_path), kv_cache_memory="256MiB", max_model_len=1024, seed=0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(smollm2_path, tmp_path_factory) -> Path:
     """SmolLM2's real tokenizer as a Hugging Face tokenizer directory (vocab 49152)."""
     from tianxia.loader.tokenizer import load_tokenizer
@@ -80,3 +87,14 @@ def make_tiny_hf_model(
 def tiny_models(tmp_path_factory, smollm2_tokenizer_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {a: make_tiny_hf_model(a, root / a, smollm2_tokenizer_dir) for a in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' own float32 model from the same GGUF file: the reference for our outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()

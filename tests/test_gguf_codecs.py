@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
-
-import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as ref_quants
 
@@ -38,6 +37,13 @@ F16_FIELDS: dict[QT, tuple[int, ...]] = {
     QT.Q6_K: (208,),
     QT.IQ4_NL: (0,),
     QT.IQ4_XS: (0,),
+    QT.IQ2_XXS: (0,),
+    QT.IQ2_XS: (0,),
+    QT.IQ2_S: (0,),
+    QT.IQ3_XXS: (0,),
+    QT.IQ3_S: (0,),
+    QT.IQ1_S: (0,),
+    QT.IQ1_M: (),  # its fp16 scale is spread over the top nibbles of 4 u16s: see random_blocks
 }
 BLOCK_TYPES = sorted(F16_FIELDS)
 
@@ -82,6 +88,13 @@ def random_blocks(qtype: QT, n_blocks: int, seed: int = 0) -> np.ndarray:
         val = (np.where(rng.random(n_blocks) < 0.5, -mag, mag)).astype(np.float16)
         val[::17] = 0
         raw[:, off : off + 2] = val.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == QT.IQ1_M:
+        mag = 10.0 ** rng.uniform(-7.5, 1.0, size=n_blocks)
+        bits = np.where(rng.random(n_blocks) < 0.5, -mag, mag).astype(np.float16).view(np.uint16)
+        sc = raw[:, 48:56].copy().view(np.uint16)
+        for i, shift in enumerate((12, 8, 4, 0)):
+            sc[:, i] = (sc[:, i] & 0x0FFF) | (((bits >> shift) & 0xF) << 12)
+        raw[:, 48:56] = sc.view(np.uint8)
     return raw
 
 

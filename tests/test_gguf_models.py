@@ -19,9 +19,7 @@ PROMPTS = [
 NEW_TOKENS = 32
 
 
-def _reference(path, prompts_ids: list[list[int]]):
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+def _reference(model, prompts_ids: list[list[int]]):
     results = []
     for ids in prompts_ids:
         with torch.no_grad():
@@ -34,7 +32,7 @@ def _reference(path, prompts_ids: list[list[int]]):
     return results
 
 
-def _check_model(llm: LLM, path) -> None:
+def _check_model(llm: LLM, reference) -> None:
     tok = llm.get_tokenizer()
     prompts_ids = [tok.encode(p) for p in PROMPTS]
     ours = llm.generate(
@@ -42,20 +40,23 @@ def _check_model(llm: LLM, path) -> None:
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
     )
     reports = []
-    for prompt, (expected, logits), out in zip(PROMPTS, _reference(path, prompts_ids), ours):
+    for prompt, (expected, logits), out in zip(PROMPTS, _reference(reference, prompts_ids), ours):
         reports.append(assert_greedy_match(expected, out.outputs[0].token_ids, lambda i: logits[i], repr(prompt)))
     print("\n".join(reports))
 
 
-def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_path):
-    _check_model(smollm2_llm, smollm2_path)
+def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_reference):
+    _check_model(smollm2_llm, smollm2_reference)
 
 
-def test_qwen2_greedy_matches_transformers(qwen_path):
-    llm = LLM(str(qwen_path), kv_cache_memory="256MiB", max_model_len=1024)
+def test_qwen2_greedy_matches_transformers(qwen_llm, qwen_path):
+    llm = qwen_llm
     assert llm.engine.model_config.architecture == "qwen2"
     assert llm.engine.model_config.attention_bias
-    _check_model(llm, qwen_path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(qwen_path.parent), gguf_file=qwen_path.name, dtype=torch.float32
+    ).eval()
+    _check_model(llm, reference)
 
 
 def test_gguf_metadata_gives_config_and_chat_template(smollm2_llm):

@@ -1,9 +1,12 @@
 """tianxia: an LLM inference engine for GGUF and Hugging Face models."""
 
 from tianxia.llm import LLM
-from tianxia.outputs import CompletionOutput, RequestOutput
-from tianxia.sampling_params import SamplingParams
+from tianxia.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from tianxia.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+    "BeamSearchOutput", "Logprob", "__version__",
+]

@@ -1,4 +1,4 @@
-"""The ``tianxia`` command line: ``run``, ``chat``, ``pull``, ``models``.
+"""The ``tianxia`` command line: ``run``, ``chat``, ``serve``, ``pull``, ``models``.
 
 ``run`` and ``chat`` follow llama.cpp's flags (``-m -p -n -c -t --temp --seed``). Every expected
 failure (unknown model, bad file, bad parameter) ends in a one-line ``error:`` message and exit 1.
@@ -138,6 +138,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": seq.detok.text})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tianxia.server import run_server
+
+    return run_server(args, DEFAULT_MODEL)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tianxia.loader import hub
 
@@ -161,8 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("-sys", "--system-prompt", default=None)
     chat.set_defaults(func=cmd_chat)
 
+    from tianxia.server.launcher import add_serve_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vllm serve style)")
+    add_serve_args(serve, DEFAULT_MODEL)
+    serve.set_defaults(func=cmd_serve)
+
     hub.add_pull_parser(sub)
     hub.add_models_parser(sub)
+
+    from tianxia.bench.cli import add_bench_parser
+    from tianxia.doctor import add_doctor_parser
+
+    add_bench_parser(sub)
+    add_doctor_parser(sub)
+
+    from tianxia.tools import add_tool_parsers
+
+    add_tool_parsers(sub)  # convert, quantize, perplexity
+
+    from tianxia.build import add_build_parser
+
+    add_build_parser(sub)  # build: GPU kernels compiled, autotuned and cached ahead of serve
     return parser
 
 

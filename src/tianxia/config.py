@@ -33,6 +33,24 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention kind ("sliding_attention" / "full_attention"); None: every layer uses
+    # ``sliding_window`` if it is set (Mistral), else full attention.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3)
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated (Phi-3, GLM-4)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # tanh soft-cap of attention scores (Gemma 2)
+    final_logit_softcapping: float | None = None  # tanh soft-cap of the output logits (Gemma 2/3)
+    qk_norm: bool = False  # RMSNorm over each q/k head before RoPE (Qwen3, Gemma 3)
+    # Family-specific switches that only one model file reads (GPT-2, Falcon layouts, ...)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is None:
+            return True
+        return self.layer_types[layer] == "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,9 @@ class CacheConfig:
     kv_cache_memory: int = 2 << 30  # bytes given to the KV cache on CPU
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides kv_cache_memory when set (tests, tiny caches)
+    # CUDA: fraction of the GPU's memory for weights, activations, CUDA graphs and the KV cache;
+    # the KV cache gets what a profile run leaves (overrides kv_cache_memory when set)
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +81,7 @@ class EngineConfig:
     chat_template: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")

@@ -10,8 +10,14 @@ from tqdm.auto import tqdm
 
 from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
 from tianxia.engine.llm_engine import LLMEngine, PromptType
-from tianxia.outputs import RequestOutput
-from tianxia.sampling_params import SamplingParams
+from tianxia.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from tianxia.sampling_params import BeamSearchParams, SamplingParams
+
+
+def beam_search_score(tokens: list[int], cum_logprob: float, eos_id: int | None, length_penalty: float) -> float:
+    """vLLM's beam score: cumulative logprob over length ** length_penalty (length without EOS)."""
+    length = len(tokens) - (1 if eos_id is not None and tokens and tokens[-1] == eos_id else 0)
+    return cum_logprob / (length**length_penalty)
 
 
 class LLM:
@@ -105,6 +111,63 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: list[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search as vLLM's offline API does it: each step asks the engine for one token and
+        the top ``2 * beam_width`` log-probabilities of every live beam; the prefix cache makes
+        each step compute only the beams' newest tokens."""
+        eos = self.engine.tokenizer.eos_token_id
+        width = params.beam_width
+        step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+        instances = []
+        for prompt in prompts:
+            _, ids = self.engine.tokenize_prompt(prompt)
+            instances.append(([BeamSearchSequence(tokens=list(ids), logprobs=[])], [], len(ids)))
+
+        def score(beam: BeamSearchSequence) -> float:
+            return beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+
+        steps = range(params.max_tokens)
+        for _ in tqdm(steps, desc="Beam search", disable=not use_tqdm):
+            live = [(i, b) for i, (beams, _, _) in enumerate(instances) for b in beams]
+            if not live:
+                break
+            outs = self.generate(
+                [{"prompt_token_ids": b.tokens} for _, b in live], step_params, use_tqdm=False
+            )
+            candidates: list[list[BeamSearchSequence]] = [[] for _ in instances]
+            for (i, beam), out in zip(live, outs):
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    new = BeamSearchSequence(
+                        tokens=beam.tokens + [token],
+                        logprobs=beam.logprobs + [out.outputs[0].logprobs[0]],
+                        cum_logprob=beam.cum_logprob + lp.logprob,
+                    )
+                    if token == eos and not params.ignore_eos:
+                        new.finish_reason = "stop"
+                        instances[i][1].append(new)
+                    else:
+                        candidates[i].append(new)
+            instances = [
+                (sorted(cands, key=score, reverse=True)[:width], done, n)
+                for cands, (_, done, n) in zip(candidates, instances)
+            ]
+        results = []
+        tok = self.engine.tokenizer
+        for beams, done, n_prompt in instances:
+            for beam in beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(done + beams, key=score, reverse=True)[:width]
+            for beam in best:
+                beam.text = tok.decode(beam.tokens[n_prompt:], skip_special_tokens=True)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def chat(
         self,

@@ -38,6 +38,8 @@ class BlockManager:
         # prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # (src, dst) block copies the runner must do before the next forward (copy-on-write)
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,8 +66,14 @@ class BlockManager:
         (the model must run on the last prompt token to produce the first output token)."""
         if not self.enable_prefix_caching:
             return []
+        num_tokens = len(seq) - 1
+        if seq.prompt_logprobs is not None:
+            # prompt logprobs are owed from position len(seq.prompt_logprobs) on (1 unless the
+            # request set "prompt_logprobs_start"): the logits of the position before it must be
+            # computed, so only blocks before that position can be hits
+            num_tokens = min(num_tokens, len(seq.prompt_logprobs) - 1)
         hits = []
-        for key in self._keys(seq.token_ids, (len(seq) - 1) // self.block_size):
+        for key in self._keys(seq.token_ids, num_tokens // self.block_size):
             block_id = self.cached.get(key)
             if block_id is None:
                 break
@@ -78,6 +86,7 @@ class BlockManager:
         """Whether ``seq`` can hold ``num_new_tokens`` more tokens (after taking ``cached``)."""
         have = len(seq.block_table) + len(cached)
         need = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) - have
+        need += self._needs_cow(seq)
         # cached blocks that sit in the free list are not available for new allocations
         reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return need <= len(self.free) - reclaimed
@@ -96,17 +105,39 @@ class BlockManager:
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += seq.num_computed_tokens
 
+    def _needs_cow(self, seq: Sequence) -> bool:
+        """Whether the next token lands in a partly filled block shared with a sibling."""
+        return (
+            bool(seq.block_table)
+            and seq.num_computed_tokens % self.block_size != 0
+            and self.blocks[seq.block_table[-1]].ref_count > 1
+        )
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:
+            if self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+            block.key = None
+        block.ref_count = 1
+        return block_id
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        if self._needs_cow(seq):
+            shared = seq.block_table[-1]
+            self.blocks[shared].ref_count -= 1
+            copy = self._pop_free()
+            seq.block_table[-1] = copy
+            self.pending_copies.append((shared, copy))
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.key is not None:
-                if self.cached.get(block.key) == block_id:
-                    del self.cached[block.key]
-                block.key = None
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._pop_free())
+
+    def share(self, seq: Sequence) -> None:
+        """Add a reference to each block of a newly forked sequence."""
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count += 1
 
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first, so that under pressure the end of a prefix is evicted before its start.

@@ -22,7 +22,9 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop: bool,
         skip_special_tokens: bool,
+        enabled: bool = True,
     ) -> None:
+        self.enabled = enabled
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -39,6 +41,8 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str | None:
         """Add one token; returns the stop string if the text now contains one."""
+        if not self.enabled:
+            return None
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -61,7 +65,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end of a sequence, take whatever is held back (even an unfinished character)."""
-        if self.read_offset < len(self.ids):
+        if self.enabled and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
             full = self._decode(self.ids[self.prefix_offset :])
             self.text += full[len(prefix) :]

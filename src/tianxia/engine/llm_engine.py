@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence, SequenceStatus
 from tianxia.layers.attention import get_backend
 from tianxia.loader import load_model
-from tianxia.outputs import CompletionOutput, RequestOutput
+from tianxia.outputs import CompletionOutput, Logprob, RequestOutput
 from tianxia.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +50,101 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+# --- GPU memory planning ----------------------------------------------------------------------------
+
+_GIB = 2**30
+
+
+def _oom_message(what: str, device: torch.device, err: Exception) -> str:
+    free, total = torch.cuda.mem_get_info(device)
+    return (
+        f"out of GPU memory while {what}: {free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB, "
+        f"{torch.cuda.memory_allocated(device) / _GIB:.2f} GiB allocated by tianxia; lower "
+        f"--gpu-memory-utilization / --kv-cache-memory, --max-num-seqs or --max-model-len "
+        f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    )
+
+
+def make_runner(model, model_config, cache_config, device, dtype, seed) -> ModelRunner:
+    """The model runner; on CUDA an out-of-memory KV cache is a message with the numbers."""
+    if device.type != "cuda":
+        return ModelRunner(model, model_config, cache_config, device, dtype, seed=seed)
+    try:
+        return ModelRunner(model, model_config, cache_config, device, dtype, seed=seed)
+    except torch.cuda.OutOfMemoryError as e:
+        per_block = kv_bytes_per_token(model_config, dtype) * cache_config.block_size
+        want = (cache_config.num_blocks * per_block if cache_config.num_blocks
+                else cache_config.kv_cache_memory)
+        raise ValueError(_oom_message(f"allocating a {want / _GIB:.2f} GiB KV cache", device, e)) from None
+
+
+def setup_cuda_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+    try:
+        runner.setup_cuda(max_num_seqs, max_model_len, enforce_eager=enforce_eager)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ValueError(_oom_message("capturing the decode CUDA graphs", runner.device, e)) from None
+
+
+@torch.inference_mode()
+def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """Size the KV cache from ``gpu_memory_utilization``: what is left of that share of the GPU
+    after the weights (measured), the peak activations of a full-budget prefill step (profiled)
+    and the sampler's and CUDA graphs' buffers (estimated from max_num_seqs x vocab). Returns the
+    cache config with ``num_blocks`` set; too little room is an error with the numbers."""
+    from dataclasses import replace as _replace
+
+    from tianxia.engine.sequence import Sequence
+
+    frac = config.cache.gpu_memory_utilization
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {frac}")
+    bs = config.cache.block_size
+    sched = config.scheduler
+    max_len = sched.max_model_len or model_config.max_position_embeddings
+    n = max(1, min(sched.max_num_batched_tokens, max_len))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    probe = ModelRunner(model, model_config, _replace(config.cache, num_blocks=(n + bs - 1) // bs + 1),
+                        device, dtype)
+    seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1))
+    seq.block_table = list(range((n + bs - 1) // bs))
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _, ids, pos, meta = probe._prepare([(seq, n)])
+        hidden = model(ids, pos, probe.kv_caches, meta)
+        model.compute_logits(hidden[-1:])
+        del hidden
+        torch.cuda.synchronize(device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ValueError(_oom_message(f"profiling a {n}-token prefill step", device, e)) from None
+    activations = torch.cuda.max_memory_allocated(device) - base
+    del probe
+    torch.cuda.empty_cache()
+    vocab = model_config.vocab_size
+    sampler = 4 * sched.max_num_seqs * vocab * 4  # float32 logits, probabilities, sort buffers
+    graphs = 0 if config.enforce_eager else sched.max_num_seqs * vocab * 6 + (256 << 20)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # weights, the CUDA context, other processes
+    kv = int(frac * total) - in_use - activations - sampler - graphs
+    per_block = kv_bytes_per_token(model_config, dtype) * bs
+    need = (max_len + bs - 1) // bs
+    numbers = (
+        f"{frac} x {total / _GIB:.1f} GiB = {frac * total / _GIB:.2f} GiB; in use {in_use / _GIB:.2f} "
+        f"GiB (weights {weights / _GIB:.2f} GiB), peak activations {activations / _GIB:.2f} GiB "
+        f"({n} tokens), sampler {sampler / _GIB:.2f} GiB, CUDA graphs {graphs / _GIB:.2f} GiB"
+    )
+    if kv < per_block:
+        raise ValueError(f"--gpu-memory-utilization leaves no room for the KV cache: {numbers}")
+    num_blocks = kv // per_block
+    if num_blocks < need:
+        logger.warning("the KV cache holds %d tokens, less than max_model_len %d", num_blocks * bs, max_len)
+    logger.info("GPU memory plan: %s; KV cache %.2f GiB = %d tokens", numbers, num_blocks * per_block / _GIB,
+                num_blocks * bs)
+    return _replace(config.cache, num_blocks=int(num_blocks))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -69,9 +163,10 @@ class LLMEngine:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(eos)
 
-        self.runner = ModelRunner(
-            loaded.model, loaded.config, config.cache, self.device, self.dtype, seed=config.seed
-        )
+        cache_config = config.cache
+        if self.device.type == "cuda" and cache_config.gpu_memory_utilization is not None:
+            cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.dtype)
+        self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.dtype, config.seed)
         self.runner.eos_ids = self.eos_ids
         capacity = self.runner.num_blocks * config.cache.block_size
         max_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
@@ -80,6 +175,8 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         sched = config.scheduler
+        if self.device.type == "cuda":
+            setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -87,6 +184,7 @@ class LLMEngine:
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
+        self._grammar_backend = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         logger.info(
@@ -123,13 +221,50 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt plus at least one generated token); "
                 "shorten the prompt or raise --max-model-len"
             )
+        params.check_vocab(vocab)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.grammar_backend().compile(params.structured_outputs)
         seq = Sequence(request_id, text, ids, params)
-        seq.detok = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop_strings, params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
+        if isinstance(prompt, dict) and prompt.get("prompt_logprobs_start") and seq.prompt_logprobs is not None:
+            # prompt logprobs only from this position on (None before it), so that the tokens
+            # before it can come from the prefix cache (tianxia.lang's select scores choices so)
+            seq.prompt_logprobs = [None] * max(1, min(int(prompt["prompt_logprobs_start"]), len(ids)))
+        if compiled is not None:
+            seq.compiled_grammar = compiled
+            seq.grammar = self._grammar_backend.matcher(compiled)
+        seq.bad_words_ids = self._bad_words_ids(params.bad_words or [])
+        seq.detok = self._detokenizer(seq)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+
+    def grammar_backend(self):
+        """The xgrammar backend, built on first use (it indexes the whole vocabulary)."""
+        if self._grammar_backend is None:
+            from tianxia.structured import GrammarBackend
+
+            self._grammar_backend = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size, self.eos_ids
+            )
+            self.runner.sampler.grammar_backend = self._grammar_backend
+        return self._grammar_backend
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+        p = seq.params
+        return IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, p.stop_strings, p.include_stop_str_in_output,
+            p.skip_special_tokens, enabled=p.detokenize,
+        )
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, with and without a leading space (as vLLM does)."""
+        out: list[list[int]] = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -150,34 +285,87 @@ class LLMEngine:
             seq.stop_reason = "the request does not fit in the KV cache"
             self.scheduler.finish(seq)
             touched[seq.request_id] = None
-        if out.scheduled:
-            new_tokens = self.runner.execute(out.scheduled)
-            now = time.monotonic()
-            for seq, n in out.scheduled:
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq)
-                token = new_tokens.get(seq.seq_id)
+        if not out.scheduled:
+            return [self._output(rid) for rid in touched if rid in self.requests]
+        forks = self._fork(out.scheduled)
+        result = self.runner.execute(out.scheduled, out.copies, forks)
+        now = time.monotonic()
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if seq.prompt_logprobs is not None and seq.seq_id in result.prompt_logprobs:
+                base = len(seq.prompt_logprobs)
+                seq.prompt_logprobs.extend(
+                    self._logprob_dict(lp, seq.token_ids[base + i])
+                    for i, lp in enumerate(result.prompt_logprobs[seq.seq_id])
+                )
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            for s in (seq, *forks.get(seq.seq_id, ())):
+                s.num_computed_tokens = seq.num_computed_tokens
+                token = result.tokens.get(s.seq_id)
                 if token is None:
                     continue
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
+                if s.first_token_time is None:
+                    s.first_token_time = now
                 self.num_generation_tokens += 1
-                seq.token_ids.append(token)
-                self._check_stop(seq, token)
-                touched[seq.request_id] = None
+                s.token_ids.append(token)
+                if s.logprobs is not None:
+                    lp = result.logprobs[s.seq_id]
+                    s.logprobs.append(self._logprob_dict(lp, token))
+                    s.cumulative_logprob += lp[2]
+                self._check_stop(s, token)
+                touched[s.request_id] = None
+        for children in forks.values():
+            for child in children:
+                if not child.is_finished:
+                    self.scheduler.running.append(child)
         return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _fork(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[Sequence]]:
+        """Fork the n - 1 siblings of requests whose prompt finishes in this step.
+
+        They share every block of the prompt (the last partial one is copied on the first write),
+        so the prompt is computed once however large n is.
+        """
+        forks: dict[int, list[Sequence]] = {}
+        for seq, n in scheduled:
+            if seq.pending_forks and seq.num_computed_tokens + n == len(seq):
+                children = []
+                for index in range(1, seq.pending_forks + 1):
+                    child = seq.fork(index)
+                    child.detok = self._detokenizer(child)
+                    if child.compiled_grammar is not None:
+                        child.grammar = self._grammar_backend.matcher(child.compiled_grammar)
+                    self.block_manager.share(child)
+                    children.append(child)
+                seq.pending_forks = 0
+                self.requests[seq.request_id].extend(children)
+                forks[seq.seq_id] = children
+        return forks
+
+    def _logprob_dict(self, lp, chosen: int) -> dict[int, Logprob]:
+        top_ids, top_vals, chosen_lp, rank = lp
+        decode = self.tokenizer.decode
+        out = {t: Logprob(v, r + 1, decode([t])) for r, (t, v) in enumerate(zip(top_ids, top_vals))}
+        if chosen not in out:
+            out[chosen] = Logprob(chosen_lp, rank, decode([chosen]))
+        return out
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
         stop_str = seq.detok.append(token)
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):
+                raise RuntimeError(f"token {token} violates the grammar of request {seq.request_id}")
+            grammar_done = seq.grammar.is_terminated()
         if stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
         elif token in self.eos_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in params.stop_token_ids or grammar_done:
+            seq.finish_reason, seq.stop_reason = "stop", token if token in params.stop_token_ids else None
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             seq.finish_reason = "length"
         elif len(seq) >= self.max_model_len:
@@ -189,13 +377,15 @@ class LLMEngine:
 
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
-        finished = all(s.is_finished for s in seqs)
         first = seqs[0]
+        finished = all(s.is_finished for s in seqs) and not first.pending_forks
         outputs = [
             CompletionOutput(
                 index=s.index,
                 text=s.detok.text,
                 token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
@@ -207,6 +397,7 @@ class LLMEngine:
             prompt_token_ids=first.prompt_token_ids,
             outputs=outputs,
             finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
             num_cached_tokens=first.num_cached_tokens,
         )
         if finished:

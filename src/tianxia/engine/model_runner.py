@@ -7,6 +7,7 @@ positions, the cache slot each new token's K/V goes to, and each sequence's bloc
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,16 @@ from tianxia.layers.sampler import Sampler, SamplingBatch
 logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+# (top token ids, their logprobs, the chosen token's logprob, its rank)
+TokenLogprobs = tuple[list[int], list[float], float, int]
+
+
+@dataclass
+class StepResult:
+    tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -48,6 +59,7 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self.eos_ids: tuple[int, ...] = model_config.eos_token_ids
+        self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_cuda)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -71,59 +83,124 @@ class ModelRunner:
             query_lens.append(n)
             starts.append(starts[-1] + n)
         max_blocks = max(len(seq.block_table) for seq, _ in order)
-        tables = torch.zeros(len(order), max_blocks, dtype=torch.int64)
-        for i, (seq, _) in enumerate(order):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
-        dev = self.device
+        # one host tensor (ids, positions, slots, lengths, zero-padded block tables) and one copy
+        # to the device, instead of a tensor and a transfer each
+        flat = input_ids + positions + slots + seq_lens
+        for seq, _ in order:
+            flat += seq.block_table
+            flat += [0] * (max_blocks - len(seq.block_table))
+        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        T, S = len(input_ids), len(order)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=buf[2 * T : 3 * T],
+            block_tables=buf[3 * T + S :].view(S, max_blocks),
             seq_lens=seq_lens,
             query_lens=query_lens,
             query_start_loc=starts,
             num_decodes=sum(1 for n in query_lens if n == 1),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens_tensor=buf[3 * T : 3 * T + S],
             block_size=bs,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return order, ids, pos, meta
+        return order, buf[:T], buf[T : 2 * T], meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
-        """Run one step; returns ``{seq_id: new_token}`` for sequences whose prompt is now done."""
-        order, ids, pos, meta = self._prepare(scheduled)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        samplers = [
-            (i, seq) for i, (seq, n) in enumerate(order) if seq.num_computed_tokens + n == len(seq)
-        ]
-        if not samplers:
-            return {}
-        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in samplers], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
-        seqs = [seq for _, seq in samplers]
-        tokens = self.sampler(logits, self.sampling_batch(seqs, logits.shape[-1]))
-        return {seq.seq_id: int(t) for seq, t in zip(seqs, tokens.tolist())}
+    def execute(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        copies: list[tuple[int, int]] = (),
+        forks: dict[int, list[Sequence]] | None = None,
+    ) -> StepResult:
+        """Run one step and sample for every sequence whose tokens are now all computed.
 
-    def sampling_batch(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
-        temps = [0.0 if s.params.greedy else s.params.temperature for s in seqs]
-        banned: list[list[int]] = []
-        for s in seqs:
-            p = s.params
-            if s.num_output_tokens < p.min_tokens:
-                banned.append([t for t in (*self.eos_ids, *p.stop_token_ids) if t < vocab])
-            else:
-                banned.append([])
-        return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32),
-            top_k=torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64),
-            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32),
-            generators=[s.generator for s in seqs],
-            banned=banned,
-            all_greedy=all(t == 0.0 for t in temps),
-            any_top_k=any(s.params.top_k > 0 and not s.params.greedy for s in seqs),
-            any_top_p=any(s.params.top_p < 1.0 and not s.params.greedy for s in seqs),
+        ``forks`` maps a sequence id to siblings that sample from the same logits row (the
+        n > 1 sequences of a request, forked when its prompt is done).
+        """
+        for src, dst in copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        order, ids, pos, meta = self._prepare(scheduled)
+        graph_logits = self._decode_graph_logits(order, ids, pos, meta)
+        hidden = None if graph_logits is not None else self.model(ids, pos, self.kv_caches, meta)
+        result = StepResult()
+        self._prompt_logprobs(order, hidden, meta, result)
+        rows, seqs = [], []
+        for i, (seq, n) in enumerate(order):
+            if seq.num_computed_tokens + n == len(seq):
+                for s in (seq, *(forks or {}).get(seq.seq_id, ())):
+                    rows.append(meta.query_start_loc[i + 1] - 1)
+                    seqs.append(s)
+        if not seqs:
+            return result
+        if graph_logits is not None:
+            same = len(rows) == graph_logits.shape[0] and rows == list(range(len(rows)))
+            logits = graph_logits if same else graph_logits[torch.tensor(rows, device=self.device)]
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
+        for seq, token, lp in zip(seqs, out.tokens, out.logprobs):
+            result.tokens[seq.seq_id] = token
+            if lp is not None:
+                result.logprobs[seq.seq_id] = lp
+        return result
+
+    # --- CUDA ---------------------------------------------------------------------------------
+
+    def setup_cuda(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> None:
+        """Capture the decode CUDA graphs (see :mod:`tianxia.engine.cuda_graph`), unless
+        ``enforce_eager`` or the model is outside the fused decode path."""
+        from tianxia.engine.cuda_graph import CudaGraphRunner, unsupported_reason
+
+        from tianxia.layers.attention.backend import triton_available
+
+        if enforce_eager:
+            logger.info("--enforce-eager: decode steps run eagerly, without CUDA graphs")
+            return
+        reason = None if triton_available() else "a missing Triton install"
+        reason = reason or unsupported_reason(self.model, self.config)
+        if reason is not None:
+            logger.info("CUDA graphs off: the fused decode path does not handle %s", reason)
+            return
+        runner = CudaGraphRunner(
+            self.model, self.config, self.kv_caches, self.block_size, max_num_seqs, max_model_len,
+            self.device,
         )
+        runner.capture()
+        self.graph_runner = runner
+
+    def _decode_graph_logits(self, order, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits of every row from a captured graph when the step is all decodes, else None."""
+        gr = self.graph_runner
+        if gr is None or meta.num_decodes != len(order) or len(order) > gr.max_batch:
+            return None
+        for seq, _ in order:
+            if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                return None
+        return gr.run(ids, pos, meta)
+
+    def _prompt_logprobs(self, order, hidden, meta: AttentionMetadata, result: StepResult) -> None:
+        for i, (seq, n) in enumerate(order):
+            if seq.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue
+            start = seq.num_computed_tokens
+            # position p predicts token p + 1; report only prompt tokens not reported yet
+            # (a preempted sequence recomputes its prompt)
+            targets = [
+                p + 1 for p in range(start, start + n)
+                if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens
+            ]
+            if not targets:
+                continue
+            base = meta.query_start_loc[i] - start
+            idx = torch.tensor([base + t - 1 for t in targets], device=self.device)
+            lp = self.model.compute_logits(hidden[idx]).log_softmax(dim=-1)
+            k = seq.params.prompt_logprobs
+            top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+            actual = torch.tensor([seq.token_ids[t] for t in targets], device=self.device)
+            chosen = lp.gather(1, actual[:, None]).squeeze(1)
+            ranks = (lp > chosen[:, None]).sum(-1) + 1
+            result.prompt_logprobs[seq.seq_id] = [
+                (ti[:k], tv[:k], c, r)
+                for ti, tv, c, r in zip(top_ids.tolist(), top_vals.tolist(), chosen.tolist(), ranks.tolist())
+            ]
 
     @torch.inference_mode()
     def prompt_logits(self, seq: Sequence, chunk: int) -> torch.Tensor:

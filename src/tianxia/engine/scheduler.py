@@ -20,6 +20,7 @@ from tianxia.engine.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
     rejected: list[Sequence] = field(default_factory=list)  # can never fit the KV cache
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     num_preempted: int = 0
 
     @property
@@ -96,6 +97,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+        out.copies, bm.pending_copies = bm.pending_copies, []
         return out
 
     def finish(self, seq: Sequence) -> None:

@@ -29,7 +29,9 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "index", "prompt", "token_ids", "num_prompt_tokens", "params",
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
-        "stop_reason", "arrival_time", "first_token_time", "generator", "detok",
+        "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
+        "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
+        "grammar",
     )
 
     def __init__(
@@ -57,8 +59,33 @@ class Sequence:
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            # each of the n sequences of a seeded request gets its own stream, as in vLLM
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
         self.detok = None  # set by the engine (IncrementalDetokenizer)
+        self.bad_words_ids: list[list[int]] = []
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        # for n > 1: how many sibling sequences to fork off once the prompt is computed
+        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.compiled_grammar = None  # xgrammar CompiledGrammar of a constrained request
+        self.grammar = None  # this sequence's GrammarMatcher
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling for parallel sampling: same tokens and blocks (the caller adds block refs)."""
+        child = Sequence(self.request_id, self.prompt, self.prompt_token_ids, self.params, index)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = list(self.block_table)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.arrival_time = self.arrival_time
+        child.bad_words_ids = self.bad_words_ids
+        child.compiled_grammar = self.compiled_grammar
+        child.prompt_logprobs = None  # reported once, by the first sequence
+        child.status = self.status
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)

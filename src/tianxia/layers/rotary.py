@@ -1,7 +1,22 @@
-"""Rotary position embeddings (the "NeoX" rotate-half layout Hugging Face uses).
+"""Rotary position embeddings, with the scaling schemes long-context checkpoints configure.
 
-GGUF files of the ``llama`` architecture store q/k rows permuted for the interleaved layout; the
-GGUF loader undoes that permutation so every model here runs the same rotate-half RoPE.
+Layouts: rotate-half ("NeoX", what Hugging Face uses for Llama-style models; GGUF ``llama`` files
+store q/k rows permuted for the interleaved layout and the GGUF loader undoes that) and
+interleaved pairs (GLM-4). ``rotary_dim`` < ``head_dim`` rotates only the leading dimensions
+(Phi-3, GLM-4 ``partial_rotary_factor``).
+
+Scaling (``rope_scaling["rope_type"]``), each computed as ``transformers`` computes it:
+
+- ``linear``: positions divided by ``factor`` (all frequencies divided).
+- ``dynamic`` (NTK-aware): once the sequence outgrows ``max_position_embeddings`` the base grows
+  to ``base * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))``; ``L`` is the largest
+  position of the forward pass plus one, as in ``transformers`` (keys already cached keep the
+  rotation they were written with).
+- ``yarn``: per-frequency blend of interpolation and extrapolation (ramp between the
+  ``beta_fast``/``beta_slow`` correction dimensions), cos/sin scaled by the attention factor.
+- ``llama3``: low frequencies divided by ``factor``, high ones kept, a smooth ramp between.
+- ``freq_factors``: explicit per-frequency divisors (how GGUF files carry llama3 scaling, in their
+  ``rope_freqs`` tensor).
 """
 
 from __future__ import annotations
@@ -28,6 +43,45 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    base: float, dim: int, scaling: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    factor = scaling.get("factor")
+    orig = scaling.get("original_max_position_embeddings") or max_position
+    if factor is None:
+        factor = max_position / orig
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extra_factor) + extrapolation * extra_factor
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -35,41 +89,83 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_position = max_position
         self.base = base
         self.scaling = scaling
+        self.interleaved = interleaved
+        self.rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
+        if self.rope_type not in ("default", "linear", "dynamic", "yarn", "llama3", "freq_factors"):
+            raise NotImplementedError(f"RoPE scaling {self.rope_type!r} is not supported")
+        self.attention_factor = 1.0
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
 
-    def build_cache(self, device: torch.device | str) -> None:
+    def _base_inv_freq(self, base: float | torch.Tensor) -> torch.Tensor:
+        d = self.rotary_dim
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    def build_cache(self, device: torch.device | str, length: int | None = None) -> None:
         """(Re)compute the cos/sin table; called after the model leaves the meta device."""
-        inv_freq = 1.0 / (
-            self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim)
-        )
-        rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
-        if rope_type == "llama3":
+        inv_freq = self._base_inv_freq(self.base)
+        if self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
-        elif rope_type == "linear":
+        elif self.rope_type == "linear":
             inv_freq = inv_freq / self.scaling["factor"]
-        elif rope_type not in (None, "default"):
-            raise NotImplementedError(f"RoPE scaling {rope_type!r} is not supported yet")
-        t = torch.arange(self.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+        elif self.rope_type == "freq_factors":  # GGUF's rope_freqs tensor (llama3 scaling)
+            inv_freq = inv_freq / torch.tensor(self.scaling["factors"], dtype=torch.float32)
+        elif self.rope_type == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(
+                self.base, self.rotary_dim, self.scaling, self.max_position
+            )
+        self.inv_freq = inv_freq.to(device)
+        length = length or min(self.max_position, 8192)
+        self.cos_sin = self._table(torch.arange(length, dtype=torch.float32, device=device), self.inv_freq)
+
+    def _table(self, t: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        freqs = t[:, None] * inv_freq[None, :]
+        return torch.cat([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor], dim=-1)
+
+    def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.rope_type == "dynamic":
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.max_position:
+                factor = self.scaling["factor"]
+                d = self.rotary_dim
+                # float32 tensor arithmetic, as transformers does it (seq_len is a tensor there)
+                ratio = factor * torch.tensor(seq_len) / self.max_position - (factor - 1)
+                base = self.base * ratio ** (d / (d - 2))
+                inv_freq = self._base_inv_freq(base).to(positions.device)
+                return self._table(positions.float(), inv_freq)
+        if positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
+            size = max(int(positions.max()) + 1, 2 * self.cos_sin.shape[0])
+            self.cos_sin = self._table(torch.arange(size, dtype=torch.float32, device=positions.device),
+                                       self.inv_freq)
+        return self.cos_sin[positions]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] in float32, returning their dtype."""
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        cos, sin = self._cos_sin(positions).chunk(2, dim=-1)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        xr = x[..., :rd].float()
+        if self.interleaved:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        else:
+            x1, x2 = xr.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if rd < x.shape[-1]:
+            out = torch.cat([out, x[..., rd:].float()], dim=-1)
+        return out.to(x.dtype)

@@ -12,7 +12,14 @@ import torch
 from tianxia.config import ModelConfig
 from tianxia.loader.errors import ModelLoadError
 
-_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+# HF model_type -> our architecture name
+_MODEL_TYPES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+    "glm4": "glm4", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
+    "gpt2": "gpt2", "falcon": "falcon",
+}
+# sliding-window layer pattern when a config predates ``layer_types``: every Nth layer is global
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -39,40 +46,157 @@ def _eos_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _rope(cfg: dict[str, Any], layer_type: str | None = None) -> tuple[float, dict | None, dict]:
+    """(theta, scaling or None, raw parameters) from flat (<= 4.x) or nested (>= 5) RoPE settings."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") if layer_type != "sliding_attention" else None
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling is not None:
+        scaling = dict(scaling)
+        if "rope_type" not in scaling and "type" in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return theta, scaling, rope
+
+
+def _gpt2_config(model_dir: Path, cfg: dict[str, Any]) -> ModelConfig:
+    hidden, heads = int(cfg["n_embd"]), int(cfg["n_head"])
+    if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+        raise ModelLoadError(f"{model_dir}: GPT-2 attention variants are not supported")
+    return ModelConfig(
+        architecture="gpt2",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("n_inner") or 4 * hidden),
+        num_hidden_layers=int(cfg["n_layer"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=int(cfg.get("n_positions", 1024)),
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        attention_bias=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        hidden_act=cfg.get("activation_function", "gelu_new"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(model_dir, cfg),
+        extra={"scale_attn_weights": bool(cfg.get("scale_attn_weights", True))},
+    )
+
+
+def _falcon_config(model_dir: Path, cfg: dict[str, Any]) -> ModelConfig:
+    if cfg.get("alibi"):
+        raise ModelLoadError(f"{model_dir}: Falcon with ALiBi positions is not supported")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    new_arch = bool(cfg.get("new_decoder_architecture", False))
+    if new_arch:
+        kv_heads = int(cfg.get("num_kv_heads") or heads)
+    else:
+        kv_heads = 1 if cfg.get("multi_query", True) else heads
+    theta, scaling, _ = _rope(cfg)
+    num_ln = cfg.get("num_ln_in_parallel_attn")
+    if num_ln is None and new_arch:
+        num_ln = 2
+    return ModelConfig(
+        architecture="falcon",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("ffn_hidden_size") or 4 * hidden),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bool(cfg.get("bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        hidden_act=cfg.get("activation", "gelu"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(model_dir, cfg),
+        extra={
+            "new_decoder_architecture": new_arch,
+            "parallel_attn": bool(cfg.get("parallel_attn", True)),
+            "num_ln_in_parallel_attn": int(num_ln or 1),
+        },
+    )
+
+
 def hf_model_config(model_dir: Path) -> ModelConfig:
     cfg = read_hf_config(model_dir)
     model_type = cfg.get("model_type", "")
+    if model_type == "gemma3" and "text_config" in cfg:  # the multimodal wrapper: its text half
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     if model_type not in _MODEL_TYPES:
         raise ModelLoadError(
             f"{model_dir}: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(sorted(_MODEL_TYPES))}"
         )
-    # transformers >= 5 nests RoPE settings in rope_parameters; older configs keep them flat
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    arch = _MODEL_TYPES[model_type]
+    if arch == "gpt2":
+        return _gpt2_config(model_dir, cfg)
+    if arch == "falcon":
+        return _falcon_config(model_dir, cfg)
+    gemma = arch in ("gemma2", "gemma3")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and arch in _SWA_PATTERN:
+        n = int(cfg.get("sliding_window_pattern") or _SWA_PATTERN[arch])
+        layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    local_theta = None
+    if arch == "gemma3":
+        theta, scaling, rope = _rope(cfg, "full_attention")
+        local_theta, _, _ = _rope(cfg, "sliding_attention")
+        if not isinstance((cfg.get("rope_parameters") or {}).get("sliding_attention"), dict):
+            local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    else:
+        theta, scaling, rope = _rope(cfg)
+    if scaling and scaling.get("rope_type") in ("dynamic", "yarn", "linear", "llama3"):
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if arch == "glm4" and "partial_rotary_factor" not in rope and "partial_rotary_factor" not in cfg:
+        partial = 0.5
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if layer_types is not None and all(t == "full_attention" for t in layer_types):
+        layer_types, window = None, None
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window, layer_types = None, None
+    bias = arch == "qwen2" or bool(cfg.get("attention_bias", arch == "glm4"))
+    act = cfg.get("hidden_activation") if gemma else None
     return ModelConfig(
-        architecture=model_type,
+        architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
+        rope_theta=theta,
         rope_scaling=scaling,
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         sliding_window=int(window) if window else None,
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=act or cfg.get("hidden_act", "silu"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(model_dir, cfg),
+        layer_types=tuple(layer_types) if layer_types and window else None,
+        rope_local_theta=local_theta,
+        partial_rotary_factor=partial,
+        query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "gemma2" else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+        qk_norm=arch in ("qwen3", "gemma3"),
     )
 
 

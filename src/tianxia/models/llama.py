@@ -1,42 +1,114 @@
-"""Llama and its close relatives (Mistral, Qwen2) as one model with flags.
+"""The Llama-style decoder and its relatives, as one model with per-family flags.
 
-The differences handled here: q/k/v biases (Qwen2), tied embeddings (small Llamas, Qwen2), the
-sliding window (Mistral; honoured by the cache only within ``max_model_len``), and RoPE scaling.
+Families handled here (HF ``model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``,
+``glm4``, ``gemma2``, ``gemma3``. What differs between them, and where it is handled:
+
+- q/k/v biases (Qwen2, GLM-4): ``config.attention_bias``.
+- q/k norms, an RMSNorm over each head before RoPE (Qwen3, Gemma 3): ``config.qk_norm``.
+- sliding-window layers (Mistral: all; Gemma 2: every other; Gemma 3: five of six, whose RoPE
+  base is ``rope_local_theta``): ``config.layer_types`` / ``config.sliding_window``, passed to
+  the attention backend per layer.
+- "sandwich" norms, i.e. a norm after attention and after the MLP as well as before (Gemma 2/3,
+  GLM-4): :attr:`Family.sandwich_norms`.
+- Gemma: RMSNorm weights stored as offsets from 1 (:class:`GemmaRMSNorm`), embeddings scaled by
+  ``sqrt(hidden_size)``, GeGLU (``gelu_pytorch_tanh``), attention scale
+  ``query_pre_attn_scalar ** -0.5``, tanh soft-capping of attention scores and logits.
+- partial and interleaved RoPE (Phi-3, GLM-4): ``config.partial_rotary_factor``,
+  :attr:`Family.interleaved_rope`.
+
 Projections are fused (``qkv_proj``, ``gate_up_proj``) so each layer runs three big matmuls
 instead of seven; :meth:`LlamaForCausalLM.load_weights` splits the checkpoint's separate tensors
-into the fused ones.
+into the fused ones (Phi-3 and GLM-4 checkpoints are already partly fused).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tianxia.config import ModelConfig
-from tianxia.layers.activation import SiluAndMul
+from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
-from tianxia.layers.norm import RMSNorm
+from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
 
 
+@dataclass(frozen=True)
+class Family:
+    norm: type[nn.Module] = RMSNorm
+    sandwich_norms: bool = False  # post-attention and post-MLP norms too
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    interleaved_rope: bool = False  # RoPE on (even, odd) pairs instead of halves
+    # checkpoint layer-module name -> ours, for families that name the same norms differently
+    renames: dict[str, str] = field(default_factory=dict)
+
+
+_GEMMA = Family(norm=GemmaRMSNorm, sandwich_norms=True, embed_scale=True)
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),
+    "qwen3": Family(),
+    "phi3": Family(),
+    "glm4": Family(
+        sandwich_norms=True,
+        interleaved_rope=True,
+        renames={
+            "post_self_attn_layernorm": "post_attention_layernorm",
+            "post_attention_layernorm": "pre_feedforward_layernorm",
+            "post_mlp_layernorm": "post_feedforward_layernorm",
+        },
+    ),
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA,
+}
+
+
+def _rotary(config: ModelConfig, layer: int, family: Family, shared: dict) -> RotaryEmbedding:
+    """The layer's RoPE; layers with equal settings share one instance (one cos/sin table)."""
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if config.is_sliding(layer) and config.rope_local_theta is not None:
+        theta, scaling = config.rope_local_theta, None  # Gemma 3: local layers are unscaled
+    rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+    key = (theta, json.dumps(scaling, sort_keys=True), rotary_dim)
+    if key not in shared:
+        shared[key] = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, theta, scaling,
+            rotary_dim=rotary_dim, interleaved=family.interleaved_rope,
+        )
+    return shared[key]
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, backend: AttentionBackend, family: Family,
+        rotary: RotaryEmbedding,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        scalar = config.query_pre_attn_scalar or self.head_dim
+        self.scale = scalar**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        if config.qk_norm:
+            self.q_norm = family.norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = family.norm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary
+        self.sliding_window = config.sliding_window if config.is_sliding(layer) else None
+        self.softcap = config.attn_logit_softcapping
         self.backend = backend
 
     def forward(
@@ -51,8 +123,12 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+        )
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -61,21 +137,27 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        if config.hidden_act != "silu":
-            raise ValueError(f"activation {config.hidden_act!r} is not supported for llama")
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if config.hidden_act == "silu" else ActAndMul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, backend: AttentionBackend, family: Family,
+        rotary: RotaryEmbedding,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
+        norm, eps, hidden = family.norm, config.rms_norm_eps, config.hidden_size
+        self.self_attn = LlamaAttention(config, layer, backend, family, rotary)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(hidden, eps)
+        self.post_attention_layernorm = norm(hidden, eps)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(hidden, eps)
+            self.post_feedforward_layernorm = norm(hidden, eps)
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         if residual is None:
@@ -84,21 +166,31 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if not self.sandwich:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, family: Family) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5 if family.embed_scale else None
+        shared: dict = {}
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, backend, family, _rotary(config, i, family, shared))
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_embs = list(shared.values())
+        self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -114,13 +206,15 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+_LAYER_MODULE = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)(\..+)$")
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.family = FAMILIES[config.architecture]
+        self.model = LlamaModel(config, backend, self.family)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -137,11 +231,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def init_buffers(self, device: torch.device | str) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.rotary_emb.build_cache(device)
+        for rotary in self.model.rotary_embs:
+            rotary.build_cache(device)
 
     def _shard_slices(self, fused_name: str, shard: int, dim0: int) -> slice:
         attn = self.model.layers[0].self_attn
@@ -152,6 +250,13 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])
 
+    def _rename(self, name: str) -> str:
+        if self.family.renames:
+            m = _LAYER_MODULE.match(name)
+            if m and m.group(2) in self.family.renames:
+                return m.group(1) + self.family.renames[m.group(2)] + m.group(3)
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors (HF names) into the parameters.
 
@@ -159,24 +264,17 @@ class LlamaForCausalLM(nn.Module):
         report them against its own file.
         """
         params = dict(self.named_parameters())
-        expected: set[str] = set()
-        for name in params:
-            for frag, (fused, shard) in _STACKED.items():
-                if fused in name:
-                    expected.add(name.replace(fused, frag))
-            if not any(fused in name for fused, _ in _STACKED.values()):
-                expected.add(name)
-        seen: set[str] = set()
+        filled: dict[str, set[int | None]] = {name: set() for name in params}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            target, rows = name, None
-            for frag, (fused, shard) in _STACKED.items():
-                if frag in name:
-                    target = name.replace(frag, fused)
-                    rows = self._shard_slices(target, shard, 0)
+            target, shard, rows = self._rename(name), None, None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in target:
+                    target = target.replace(frag, fused)
+                    shard, rows = idx, self._shard_slices(target, idx, 0)
                     break
             param = params.get(target)
             if param is None:
@@ -187,5 +285,16 @@ class LlamaForCausalLM(nn.Module):
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                 )
             dst.copy_(tensor)
-            seen.add(name)
-        return sorted(expected - seen)
+            filled[target].add(shard)
+        missing = []
+        for name, shards in filled.items():
+            if None in shards:
+                continue
+            fused = next((f for f, _ in _STACKED.values() if f in name), None)
+            if fused is None:
+                missing.append(name)
+                continue
+            for frag, (f, idx) in _STACKED.items():
+                if f == fused and idx not in shards:
+                    missing.append(name.replace(fused, frag))
+        return sorted(missing)

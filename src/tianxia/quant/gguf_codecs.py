@@ -37,6 +37,11 @@ Block layouts (little endian; ``d``/``m``/``dmin`` are fp16; ``QK_K`` = 256):
            (6-bit signed scale per 32 elems), 128 B nibbles into the IQ4_NL table.
            x = (d * (sc - 32)) * table[q]
 
+    IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M
+           256 elems: indices into llama.cpp's codebooks ("grids") of 8 (IQ2, IQ1) or
+           4 (IQ3) values, with sign bits (IQ2/IQ3) or a +-1/8 delta (IQ1), and 3-4 bit
+           sub-block scales; see the codecs for the exact packing.
+
 F32/F16/BF16 are plain element arrays; ``gguf.GGUFReader`` hands out F32 and
 F16 as typed arrays but BF16 as raw bytes, so all forms are accepted.
 """
@@ -257,6 +262,148 @@ def _dq_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, 256)
 
 
+# --- i-quants (IQ2_*, IQ3_*, IQ1_*): codebook ("grid") lookups with sign bits ------------------
+# The grids are gguf-py's (``gguf.quants.<TYPE>.init_grid()``: llama.cpp's tables, decoded to
+# float32). Every product below is exact in float32 (an fp16 scale times small integers and grid
+# values of at most 6 bits, or a multiple of 1/8 for IQ1), so the results are bit-exact whatever
+# the grouping.
+
+_GRID_CACHE: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def _grid(name: str, device: torch.device) -> torch.Tensor:
+    key = (name, str(device))
+    if key not in _GRID_CACHE:
+        from gguf import quants
+
+        cls = getattr(quants, name)
+        if cls.grid is None:
+            cls.init_grid()
+        g = np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.float32)
+        _GRID_CACHE[key] = torch.from_numpy(g).to(device)
+    return _GRID_CACHE[key]
+
+
+def _ksigns(device: torch.device) -> torch.Tensor:
+    """The 128-entry table of 8-bit sign patterns with even parity (llama.cpp's ksigns_iq2xs)."""
+    key = ("ksigns", str(device))
+    if key not in _GRID_CACHE:
+        from gguf import quants
+
+        k = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8).astype(np.int64)
+        _GRID_CACHE[key] = torch.from_numpy(k).to(device)
+    return _GRID_CACHE[key]
+
+
+def _le(b: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, k*width) little-endian bytes -> (n, k) unsigned integers as int64."""
+    n = b.shape[0]
+    parts = b.reshape(n, -1, width).to(torch.int64)
+    out = parts[..., 0]
+    for i in range(1, width):
+        out = out | (parts[..., i] << (8 * i))
+    return out
+
+
+def _sign_bits(bytes_: torch.Tensor) -> torch.Tensor:
+    """int64 bytes (...,) -> (..., 8) of +1.0 / -1.0, bit i set meaning negative."""
+    bits = (bytes_.unsqueeze(-1) >> torch.arange(8, device=bytes_.device)) & 1
+    return torch.where(bits == 0, 1.0, -1.0).to(torch.float32)
+
+
+def _nibble_scales(sc: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes -> (n, 2k) 4-bit scales, low nibble first."""
+    n = sc.shape[0]
+    return ((sc.reshape(n, -1, 1).to(torch.int64) >> torch.tensor([0, 4], device=sc.device)) & 0x0F).reshape(n, -1)
+
+
+def _dq_iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs = _split(blocks, 2, 64)
+    aux = _le(qs, 4).reshape(n, 8, 2)  # per 32 elems: 4 grid indices, then signs + scale
+    db = (_f16(d) * (0.5 + (aux[..., 1] >> 28).to(torch.float32)) * 0.25).reshape(n, 8, 1, 1)
+    sidx = (aux[..., 1].unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device)) & 0x7F
+    signs = _sign_bits(_ksigns(blocks.device)[sidx])  # (n, 8, 4, 8)
+    gidx = qs.reshape(n, 8, 8)[:, :, :4].to(torch.int64)
+    grid = _grid("IQ2_XXS", blocks.device)[gidx]  # (n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _dq_iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs, sc = _split(blocks, 2, 64, 8)
+    q = _le(qs, 2)  # (n, 32): 9-bit grid index, 7-bit sign index
+    db = (_f16(d) * (0.5 + _nibble_scales(sc).to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
+    signs = _sign_bits(_ksigns(blocks.device)[q >> 9]).reshape(n, 16, 2, 8)
+    grid = _grid("IQ2_XS", blocks.device)[q & 511].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _dq_iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs, sg, qh, sc = _split(blocks, 2, 32, 32, 8, 8)
+    db = (_f16(d) * (0.5 + _nibble_scales(sc).to(torch.float32)) * 0.25).reshape(n, 16, 1, 1)
+    signs = _sign_bits(sg.to(torch.int64)).reshape(n, 16, 2, 8)
+    hi = ((qh.reshape(n, 8, 1).to(torch.int64) >> torch.tensor([0, 2, 4, 6], device=blocks.device)) & 3).reshape(n, 32)
+    idx = qs.to(torch.int64) | (hi << 8)
+    grid = _grid("IQ2_S", blocks.device)[idx].reshape(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _dq_iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs, sc = _split(blocks, 2, 64, 32)
+    aux = _le(sc, 4)  # (n, 8): 4 x 7-bit sign indices, 4-bit scale
+    db = (_f16(d) * (0.5 + (aux >> 28).to(torch.float32)) * 0.5).reshape(n, 8, 1, 1)
+    sidx = (aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=blocks.device)) & 0x7F
+    signs = _sign_bits(_ksigns(blocks.device)[sidx])  # (n, 8, 4, 8)
+    grid = _grid("IQ3_XXS", blocks.device)[qs.to(torch.int64)].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+def _dq_iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs, qh, sg, sc = _split(blocks, 2, 64, 8, 32, 4)
+    db = (_f16(d) * (1 + 2 * _nibble_scales(sc)).to(torch.float32)).reshape(n, 8, 1, 1)
+    signs = _sign_bits(sg.to(torch.int64)).reshape(n, 8, 4, 8)
+    hi = ((qh.reshape(n, 8, 1).to(torch.int64) >> torch.arange(8, device=blocks.device)) & 1).reshape(n, 64)
+    idx = qs.to(torch.int64) | (hi << 8)
+    grid = _grid("IQ3_S", blocks.device)[idx].reshape(n, 8, 4, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+_IQ1_DELTA = 0.125
+
+
+def _dq_iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, qs, qh = _split(blocks, 2, 32, 16)
+    h = _le(qh, 2)  # (n, 8): 4 x 3-bit index highs, 3-bit scale, delta sign
+    dl = (_f16(d) * (2 * ((h >> 12) & 7) + 1).to(torch.float32)).reshape(n, 8, 1, 1)
+    delta = torch.where((h & 0x8000) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(torch.float32).reshape(n, 8, 1, 1)
+    hi = ((h.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=blocks.device)) & 7).reshape(n, 32)
+    idx = qs.to(torch.int64) | (hi << 8)
+    grid = _grid("IQ1_S", blocks.device)[idx].reshape(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, 256)
+
+
+def _dq_iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    qs, qh, sc = _split(blocks, 32, 16, 8)
+    s = _le(sc, 2)  # (n, 4); the fp16 super-block scale is the top nibbles of the four
+    dev = blocks.device
+    dbits = ((s & 0xF000) >> torch.tensor([12, 8, 4, 0], device=dev)).sum(-1)  # disjoint bits: sum == or
+    dbits = torch.where(dbits >= 0x8000, dbits - 0x10000, dbits)  # as a signed 16-bit pattern
+    d = dbits.to(torch.int16).view(torch.float16).to(torch.float32).reshape(n, 1)
+    sub = ((s.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=dev)) & 7).reshape(n, 16)
+    dl = (d * (2 * sub + 1).to(torch.float32)).reshape(n, 8, 2, 1, 1)
+    h = (qh.reshape(n, 16, 1).to(torch.int64) >> torch.tensor([0, 4], device=dev)).reshape(n, 32)
+    idx = qs.to(torch.int64) | ((h & 7) << 8)
+    delta = torch.where((h & 8) == 0, _IQ1_DELTA, -_IQ1_DELTA).to(torch.float32).reshape(n, 8, 2, 2, 1)
+    grid = _grid("IQ1_S", dev)[idx].reshape(n, 8, 2, 2, 8)
+    return (dl * (grid + delta)).reshape(n, 256)
+
+
 _CODECS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.BF16: _dq_bf16,
     QType.Q4_0: _dq_q4_0,
@@ -271,6 +418,13 @@ _CODECS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q6_K: _dq_q6_k,
     QType.IQ4_NL: _dq_iq4_nl,
     QType.IQ4_XS: _dq_iq4_xs,
+    QType.IQ2_XXS: _dq_iq2_xxs,
+    QType.IQ2_XS: _dq_iq2_xs,
+    QType.IQ2_S: _dq_iq2_s,
+    QType.IQ3_XXS: _dq_iq3_xxs,
+    QType.IQ3_S: _dq_iq3_s,
+    QType.IQ1_S: _dq_iq1_s,
+    QType.IQ1_M: _dq_iq1_m,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset({QType.F32, QType.F16, *_CODECS})

@@ -44,6 +44,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hk, D]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # a query at p sees keys p - window < pos <= p
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
@@ -62,10 +64,32 @@ def register_backend(name: str):
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
     """Pick the backend for ``device`` (or the one named), importing it lazily."""
+    import os
+
     from tianxia.layers.attention import cpu  # noqa: F401  (registers "torch")
 
     if name is None:
-        name = "torch"
+        name = os.environ.get("TIANXIA_ATTENTION_BACKEND") or None
+    if name is None:
+        name = "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    if name == "triton":
+        from tianxia.build import configure_gpu_caches
+
+        configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
+        from tianxia.layers.attention import triton_attention  # noqa: F401  (registers "triton")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (it ships with CUDA builds of PyTorch, not CPU ones)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken or mismatched install: fall back to the torch backend
+        return False
+    return True

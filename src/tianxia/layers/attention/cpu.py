@@ -24,31 +24,58 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return blocks.flatten(0, 1)[:length]
 
 
+def _attend(q, k, v, mask, scale, gqa, softcap=None, is_causal=False):
+    """SDPA over [B, H, L, D] tensors; with ``softcap`` the scores are soft-capped (eager path)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(S - L)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 @register_backend("torch")
 class TorchAttention(AttentionBackend):
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         gqa = num_heads != num_kv_heads
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        bs = meta.block_size
+        window = sliding_window
 
         nd = meta.num_decodes
         if nd:
             max_len = max(meta.seq_lens[:nd])
-            nb = (max_len + meta.block_size - 1) // meta.block_size
-            tables = meta.block_tables[:nd, :nb]
-            keys = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, Hk, D]
-            values = v_cache[tables].flatten(1, 2)[:, :max_len]
-            pos = torch.arange(max_len, device=q.device)
-            mask = (pos[None, :] < meta.seq_lens_tensor[:nd, None])[:, None, None, :]
-            o = F.scaled_dot_product_attention(
+            nb = (max_len + bs - 1) // bs
+            # with a window, blocks wholly before every decode's window are not read at all
+            first = 0 if window is None else max(0, min(meta.seq_lens[:nd]) - window) // bs
+            tables = meta.block_tables[:nd, first:nb]
+            keys = k_cache[tables].flatten(1, 2)[:, : max_len - first * bs]  # [B, L, Hk, D]
+            values = v_cache[tables].flatten(1, 2)[:, : max_len - first * bs]
+            pos = torch.arange(first * bs, max_len, device=q.device)
+            lens = meta.seq_lens_tensor[:nd, None]
+            mask = pos[None, :] < lens
+            if window is not None:
+                mask &= pos[None, :] >= lens - window
+            o = _attend(
                 q[:nd].unsqueeze(2).to(keys.dtype),  # [B, Hq, 1, D]
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=gqa,
+                mask[:, None, None, :],
+                scale, gqa, softcap,
             )
             out[:nd] = o.squeeze(2).to(out.dtype)
 
@@ -56,23 +83,25 @@ class TorchAttention(AttentionBackend):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             qlen, seq_len = end - start, meta.seq_lens[i]
             qi = q[start:end].transpose(0, 1)  # [Hq, qlen, D]
-            if seq_len == qlen:
+            ctx = seq_len - qlen
+            if seq_len == qlen and (window is None or window >= qlen):
                 # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
                 ki, vi = k[start:end], v[start:end]
-                o = F.scaled_dot_product_attention(
+                o = _attend(
                     qi, ki.transpose(0, 1).to(qi.dtype), vi.transpose(0, 1).to(qi.dtype),
-                    is_causal=True, scale=scale, enable_gqa=gqa,
+                    None, scale, gqa, softcap, is_causal=True,
                 )
             else:
-                ki = _gather(k_cache, meta.block_tables[i], seq_len)
-                vi = _gather(v_cache, meta.block_tables[i], seq_len)
-                ctx = seq_len - qlen
+                first = 0 if window is None else max(0, ctx - window + 1) // bs
+                ki = _gather(k_cache, meta.block_tables[i, first:], seq_len - first * bs)
+                vi = _gather(v_cache, meta.block_tables[i, first:], seq_len - first * bs)
                 qpos = torch.arange(ctx, seq_len, device=q.device)
-                kpos = torch.arange(seq_len, device=q.device)
+                kpos = torch.arange(first * bs, seq_len, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(
-                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1),
-                    attn_mask=mask, scale=scale, enable_gqa=gqa,
+                if window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - window
+                o = _attend(
+                    qi.to(ki.dtype), ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, gqa, softcap,
                 )
             out[start:end] = o.transpose(0, 1).to(out.dtype)
         return out

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build llama.cpp's HTTP server (`llama-server`) from the llama.cpp sources vendored in the
+# llama-cpp-python source package on PyPI, outside the repository.
+#
+#   benchmarks/build_llama_server.sh            # -> /work/llama.cpp-build/bin/llama-server
+#   LLAMA_BUILD_DIR=/elsewhere LLAMA_CPP_PYTHON_VERSION=0.3.36 benchmarks/build_llama_server.sh
+#
+# Needs cmake, a C/C++ compiler and pip (for `pip download`). Native CPU flags (GGML_NATIVE=ON),
+# no libcurl (models are local files). Takes ~10-20 minutes on 2 cores.
+set -euo pipefail
+
+BUILD_ROOT="${LLAMA_BUILD_DIR:-/work/llama.cpp-build}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"        # empty = latest on PyPI
+JOBS="${JOBS:-$(nproc)}"
+PIP="${PIP:-pip}"
+if [ -x /work/venv/bin/pip ] && [ -z "${PIP_SET:-}" ] && ! command -v "$PIP" >/dev/null 2>&1; then
+    PIP=/work/venv/bin/pip
+fi
+
+if [ -x "$BUILD_ROOT/bin/llama-server" ] && [ -z "${FORCE:-}" ]; then
+    echo "already built: $BUILD_ROOT/bin/llama-server (FORCE=1 to rebuild)"
+    exit 0
+fi
+
+mkdir -p "$BUILD_ROOT/src"
+SPEC="llama-cpp-python${VERSION:+==$VERSION}"
+echo ">> downloading the $SPEC source package"
+"$PIP" download --no-deps --no-binary :all: "$SPEC" -d "$BUILD_ROOT/src"
+SDIST="$(ls -t "$BUILD_ROOT"/src/llama_cpp_python-*.tar.gz | head -n1)"
+SRC="${SDIST%.tar.gz}"
+if [ ! -d "$SRC" ]; then
+    echo ">> unpacking $SDIST"
+    tar -xzf "$SDIST" -C "$BUILD_ROOT/src"
+fi
+LLAMA_SRC="$SRC/vendor/llama.cpp"
+test -f "$LLAMA_SRC/CMakeLists.txt" || { echo "no vendored llama.cpp in $SRC" >&2; exit 1; }
+
+echo ">> configuring $LLAMA_SRC"
+cmake -S "$LLAMA_SRC" -B "$BUILD_ROOT/build" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DBUILD_SHARED_LIBS=OFF
+
+echo ">> building llama-server with $JOBS jobs"
+nice -n 10 cmake --build "$BUILD_ROOT/build" --target llama-server -j "$JOBS"
+
+mkdir -p "$BUILD_ROOT/bin"
+cp "$BUILD_ROOT/build/bin/llama-server" "$BUILD_ROOT/bin/llama-server"
+echo ">> built: $BUILD_ROOT/bin/llama-server"
+"$BUILD_ROOT/bin/llama-server" --version 2>&1 | tail -n 2 || true

@@ -1,0 +1,517 @@
+"""An asyncio front over :class:`LLMEngine`: many concurrent requests, one step loop.
+
+The engine is not thread-safe, so exactly one thread (the *engine thread*) ever touches it. The
+asyncio side talks to that thread through a command queue (add, abort, call) that is drained
+between steps; outputs travel back through ``loop.call_soon_threadsafe`` into one
+``asyncio.Queue`` per request. Requests that arrive while a step runs join the next step, so
+concurrent requests share the same forward passes (continuous batching).
+
+::
+
+    engine = AsyncLLMEngine(LLMEngine(config))
+    engine.start()  # inside a running event loop
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)
+
+``RequestOutput`` objects are cumulative snapshots (each holds the whole text so far), so a slow
+consumer may skip intermediate ones: :meth:`generate` hands out the newest output queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tianxia.engine.llm_engine import LLMEngine, PromptType
+from tianxia.outputs import RequestOutput
+from tianxia.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed, or the engine was shut down)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in that step were failed and freed."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was ended by the server (see :meth:`AsyncLLMEngine.abort_all`)."""
+
+
+@dataclass
+class StepStats:
+    """One engine step, as seen from the engine thread."""
+
+    num_seqs: int  # sequences in the batch (decodes + prefill chunks)
+    num_tokens: int  # tokens in the batch
+    num_decodes: int
+    duration_s: float
+
+
+@dataclass
+class RequestStats:
+    """Timings of one finished (or aborted) request, in seconds of ``time.monotonic``."""
+
+    request_id: str
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finish_reason: str | None = None
+    max_tokens: int | None = None
+    n: int = 1
+
+
+class StatsListener:
+    """Receives engine statistics on the engine thread; override what you need (keep it cheap)."""
+
+    def on_step(self, step: StepStats) -> None: ...
+
+    def on_first_token(self, ttft_s: float) -> None: ...
+
+    def on_inter_token(self, latency_s: float, num_tokens: int) -> None: ...
+
+    def on_request_done(self, stats: RequestStats) -> None: ...
+
+
+@dataclass
+class _Tracked:
+    stats: RequestStats
+    tokens: int = 0  # output tokens seen so far (all choices)
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+    pending: list[Any] = field(default_factory=list)
+
+
+class AsyncLLMEngine:
+    """Owns an :class:`LLMEngine` and drives it from a single background thread.
+
+    ``max_waiting_requests`` bounds the requests that are queued but not yet scheduled; past it
+    :meth:`add_request` raises :class:`QueueFullError` (the server turns it into a 503).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        stats_listener: StatsListener | None = None,
+        log_stats_interval: float | None = 10.0,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.listener = stats_listener or StatsListener()
+        self.log_stats_interval = log_stats_interval
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}  # event-loop side only
+        self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
+        self._pending_adds = 0  # event-loop side: adds sent but not yet taken by the engine
+        self._last_sched: Any = None
+        self.num_steps = 0
+        self.max_step_seqs = 0
+        self._snapshot: dict[str, float] = {}
+        self._publish_stats()
+        self._hook_scheduler()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tianxia-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that outputs are delivered on (set by :meth:`start`)."""
+        return self._loop
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def errored(self) -> BaseException | None:
+        return self._dead
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still running and stop the engine thread."""
+        self.abort_all("the engine is shutting down")
+        self._stopping = True
+        self._wakeup.set()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0fs", timeout)
+
+    # --- the asyncio side ---------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> dict[str, float]:
+        """The latest engine statistics (published by the engine thread after every step)."""
+        snap = dict(self._snapshot)
+        snap["num_waiting"] = snap.get("num_waiting", 0) + self._pending_adds
+        return snap
+
+    def _send(self, command: tuple) -> None:
+        if self._dead is not None or self._stopping or self._thread is None:
+            raise EngineDeadError(
+                "the engine is not running" + (f": {self._dead!r}" if self._dead else "")
+            )
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> asyncio.Queue:
+        """Queue a request; returns once the engine accepted it (``ValueError`` if it did not)."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.max_waiting_requests is not None:
+            if self.stats()["num_waiting"] >= self.max_waiting_requests:
+                raise QueueFullError(
+                    f"too many requests are waiting ({self.max_waiting_requests}); retry later"
+                )
+        stream = _Stream(asyncio.Queue())
+        self._streams[request_id] = stream
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending_adds += 1
+        try:
+            self._send(("add", request_id, prompt, params, time.monotonic(), fut))
+            await asyncio.wrap_future(fut)
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            if not isinstance(e, (ValueError, EngineDeadError)):
+                # cancelled while the engine was taking it: make sure it does not run unobserved
+                self.abort(request_id)
+            raise
+        finally:
+            self._pending_adds -= 1
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (at the next step boundary). Never raises."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.finished:
+            return
+        try:
+            self._send(("abort", request_id))
+        except EngineDeadError:
+            pass
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight: each consumer gets a :class:`RequestAbortedError`
+        (instead of waiting forever) and the engine frees the requests' KV blocks."""
+        count = 0
+        for rid, stream in list(self._streams.items()):
+            if stream.finished:
+                continue
+            self.abort(rid)
+            stream.finished = True
+            stream.queue.put_nowait(RequestAbortedError(reason))
+            count += 1
+        return count
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes; leaving early aborts it."""
+        q = await self.add_request(request_id, prompt, params)
+        async for out in self.iterate(request_id, q):
+            yield out
+
+    async def iterate(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with :meth:`add_request`; leaving early aborts it."""
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                while not q.empty():  # outputs are cumulative: skip to the newest
+                    if isinstance(item, BaseException) or item.finished:
+                        break
+                    item = q.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _deliver(self, batch: list[tuple[str, Any]]) -> None:
+        """Event-loop side: hand outputs (or exceptions) to their request queues."""
+        for rid, item in batch:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if isinstance(item, BaseException) or item.finished:
+                stream.finished = True
+            stream.queue.put_nowait(item)
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _hook_scheduler(self) -> None:
+        """Remember each step's scheduler output, for per-step batch statistics."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        schedule = getattr(scheduler, "schedule", None)
+        if schedule is None:
+            return
+
+        def schedule_and_record():
+            out = schedule()
+            self._last_sched = out
+            return out
+
+        scheduler.schedule = schedule_and_record
+
+    def _publish_stats(self) -> None:
+        try:
+            self._snapshot = dict(self.engine.stats())
+        except Exception:  # pragma: no cover - stats must never take the loop down
+            logger.exception("engine.stats() failed")
+
+    def _post(self, batch: list[tuple[str, Any]]) -> None:
+        if batch and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the loop closed under us (shutdown)
+                pass
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        last_tokens = (0, 0)
+        try:
+            while True:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                try:
+                    self._step()
+                except Exception as e:
+                    # fail the requests in flight, free them, and keep serving the next ones
+                    logger.exception(
+                        "engine step failed; failing %d request(s)", len(self._tracked)
+                    )
+                    self._fail_all(e)
+                    if self.engine.has_unfinished_requests():
+                        raise
+                if (
+                    self.log_stats_interval
+                    and time.monotonic() - last_log >= self.log_stats_interval
+                ):
+                    last_log, last_tokens = self._log_stats(last_log, last_tokens)
+        except BaseException as e:  # fail every request, then stop
+            logger.exception("the engine loop crashed")
+            self._dead = e
+        finally:
+            self._fail_pending_commands()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineStepError(f"the engine failed while running this request: {exc!r}")
+        rids = list(self._tracked)
+        for rid in rids:
+            if rid in self.engine.requests:
+                self.engine.abort_request(rid)
+            self._tracked.pop(rid, None)
+        self._publish_stats()
+        self._post([(rid, err) for rid in rids])
+
+    def _drain_commands(self) -> None:
+        done: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, arrival, fut = cmd
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as e:  # noqa: BLE001 - goes back to the caller
+                    done.append((fut, None, e))
+                else:
+                    seqs = self.engine.requests.get(rid) or []
+                    n_prompt = seqs[0].num_prompt_tokens if seqs else 0
+                    self._tracked[rid] = _Tracked(
+                        RequestStats(
+                            rid,
+                            arrival,
+                            num_prompt_tokens=n_prompt,
+                            max_tokens=params.max_tokens,
+                            n=getattr(params, "n", 1),
+                        )
+                    )
+                    done.append((fut, None, None))
+            elif kind == "abort":
+                rid = cmd[1]
+                if rid in self.engine.requests:
+                    self.engine.abort_request(rid)
+                    logger.debug("aborted %s", rid)
+                tracked = self._tracked.pop(rid, None)
+                if tracked is not None:
+                    tracked.stats.finished = time.monotonic()
+                    tracked.stats.finish_reason = "abort"
+                    tracked.stats.num_generation_tokens = tracked.tokens
+                    self._notify(self.listener.on_request_done, tracked.stats)
+            elif kind == "call":
+                _, fn, fut = cmd
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    done.append((fut, fn(self.engine), None))
+                except Exception as e:  # noqa: BLE001 - goes back to the caller
+                    done.append((fut, None, e))
+        self._publish_stats()  # before answering, so that a new request counts as waiting
+        for fut, result, exc in done:
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def _notify(self, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:  # pragma: no cover - a listener bug must not stop the engine
+            logger.exception("stats listener failed")
+
+    def _step(self) -> None:
+        self._last_sched = None
+        t0 = time.monotonic()
+        outputs = self.engine.step()
+        now = time.monotonic()
+        sched = self._last_sched
+        self.num_steps += 1
+        if sched is not None:
+            scheduled = getattr(sched, "scheduled", [])
+            num_seqs = len(scheduled)
+            num_tokens = sum(n for _, n in scheduled)
+            num_decodes = sum(1 for _, n in scheduled if n == 1)
+            for seq, _ in scheduled:
+                tracked = self._tracked.get(seq.request_id)
+                if tracked is not None and tracked.stats.scheduled is None:
+                    tracked.stats.scheduled = t0
+            if num_seqs:
+                self.max_step_seqs = max(self.max_step_seqs, num_seqs)
+                self._notify(
+                    self.listener.on_step, StepStats(num_seqs, num_tokens, num_decodes, now - t0)
+                )
+                logger.debug(
+                    "step %d: %d seqs (%d decodes), %d tokens, %.1f ms",
+                    self.num_steps,
+                    num_seqs,
+                    num_decodes,
+                    num_tokens,
+                    (now - t0) * 1000,
+                )
+        batch: list[tuple[str, Any]] = []
+        for out in outputs:
+            batch.append((out.request_id, out))
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            st = tracked.stats
+            if st.scheduled is None:
+                st.scheduled = t0
+            tokens = sum(len(o.token_ids) for o in out.outputs)
+            if tokens > tracked.tokens:
+                if st.first_token is None:
+                    st.first_token = now
+                    self._notify(self.listener.on_first_token, now - st.arrival)
+                else:
+                    self._notify(
+                        self.listener.on_inter_token, now - st.last_token, tokens - tracked.tokens
+                    )
+                st.last_token = now
+                tracked.tokens = tokens
+            if out.finished:
+                del self._tracked[out.request_id]
+                st.finished = now
+                st.num_generation_tokens = tokens
+                reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+                st.finish_reason = reasons[0] if reasons else None
+                self._notify(self.listener.on_request_done, st)
+        self._publish_stats()
+        self._post(batch)
+
+    def _fail_pending_commands(self) -> None:
+        err = EngineDeadError("the engine stopped")
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            fut = cmd[-1] if cmd[0] in ("add", "call") else None
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(err)
+        # requests still in the engine get a final error so that no consumer hangs
+        self._post([(rid, err) for rid in list(self._tracked)])
+
+    def _log_stats(
+        self, last_log: float, last_tokens: tuple[int, int]
+    ) -> tuple[float, tuple[int, int]]:
+        now = time.monotonic()
+        s = self._snapshot
+        tokens = (int(s.get("prompt_tokens", 0)), int(s.get("generation_tokens", 0)))
+        dt = max(now - last_log, 1e-6)
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
+            "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, "
+            "prefix cache hit rate: %.1f%%",
+            (tokens[0] - last_tokens[0]) / dt,
+            (tokens[1] - last_tokens[1]) / dt,
+            s.get("num_running", 0),
+            s.get("num_waiting", 0),
+            100 * s.get("kv_cache_usage", 0.0),
+            100 * s.get("prefix_cache_hits", 0) / max(1, s.get("prefix_cache_queries", 0)),
+        )
+        return now, tokens

@@ -1,0 +1,348 @@
+"""``tianxia serve``: load the model, then run the API under uvicorn until SIGTERM / SIGINT.
+
+On the first SIGTERM or SIGINT the server stops accepting (the listening socket closes, ``/health``
+and new generation requests answer 503), lets requests in flight finish for up to
+``--shutdown-timeout`` seconds, aborts what is left, and exits 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+
+def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
+    """``vllm serve``'s flags, where tianxia has the same meaning."""
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"pulled model name, .gguf path or Hugging Face directory (default: {default_model})",
+    )
+    p.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in the `model` field; the first is reported in responses "
+        "(default: MODEL)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $TIANXIA_API_KEY)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's, capped by the KV cache)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="most sequences in one step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (default: %(default)s)",
+    )
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help=f"KV cache size, e.g. 2GiB (default: {DEFAULT_KV_CACHE_MEMORY})",
+    )
+    mem.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the device's memory (GPU; on CPU, RAM) for weights plus KV "
+        "cache; the KV cache gets what the weights leave",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=16, help="KV block size in tokens (default: %(default)s)"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of equal prompt prefixes (default: on)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of unseeded sampling (default: %(default)s)"
+    )
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template (a file or the template itself) overriding the model's",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="past this many queued requests, answer 503 with Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=30,
+        help="seconds to let requests in flight finish after SIGTERM (default: %(default)s)",
+    )
+    p.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic throughput log lines"
+    )
+    p.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("--root-path", default=None, help="ASGI root_path, behind a path-based proxy")
+    p.add_argument(
+        "--log-level", default="info", help="debug, info, warning, error (default: %(default)s)"
+    )
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _estimate_weight_bytes(model: str, dtype_bytes: int) -> int:
+    """Weights once loaded (dequantized), from the model's shape."""
+    from tianxia.loader import load_model_config
+
+    c = load_model_config(model)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = (
+        c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    )
+    per_layer += 2 * c.hidden_size + (q + 2 * kv if c.attention_bias else 0)
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return (embed + c.num_hidden_layers * per_layer + c.hidden_size) * dtype_bytes
+
+
+def _kv_cache_bytes(args: argparse.Namespace, model: str) -> int:
+    if args.gpu_memory_utilization is None:
+        return parse_size(args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    frac = args.gpu_memory_utilization
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {frac}")
+    import torch
+
+    from tianxia.engine.llm_engine import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = total
+        with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    weights = _estimate_weight_bytes(model, torch.tensor([], dtype=dtype).element_size())
+    reserve = 256 << 20  # activations, logits, allocator slack
+    kv = int(frac * total) - (total - free) - weights - reserve
+    if kv <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {frac} leaves no room for the KV cache: {frac} x "
+            f"{total / 2**30:.1f} GiB, minus {(total - free) / 2**30:.1f} GiB already in use and "
+            f"{weights / 2**30:.2f} GiB of weights; raise it or use --kv-cache-memory"
+        )
+    logger.info("--gpu-memory-utilization %.2f: %.2f GiB for the KV cache", frac, kv / 2**30)
+    return kv
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError("--max-model-len must be at least 2")
+    return EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        seed=args.seed,
+        chat_template=_read_chat_template(args.chat_template),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=_kv_cache_bytes(args, model),
+            enable_prefix_caching=args.enable_prefix_caching,
+            # on CUDA the engine profiles the model and sizes the KV cache itself
+            gpu_memory_utilization=_cuda_memory_fraction(args),
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len or 0,
+        ),
+        enforce_eager=getattr(args, "enforce_eager", False),
+    )
+
+
+def _cuda_memory_fraction(args: argparse.Namespace) -> float | None:
+    if args.gpu_memory_utilization is None:
+        return None
+    from tianxia.engine.llm_engine import resolve_device
+
+    return args.gpu_memory_utilization if resolve_device(args.device).type == "cuda" else None
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, except that a handled SIGTERM / SIGINT ends in exit code 0: uvicorn
+        re-raises the signal after its graceful shutdown, which would kill the process."""
+
+        on_signal: Callable[[], None] | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.on_signal is not None and not self.should_exit:
+                self.on_signal()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
+def run_server(args: argparse.Namespace, default_model: str) -> int:
+    import uvicorn
+
+    from tianxia.engine.async_engine import AsyncLLMEngine
+    from tianxia.engine.llm_engine import LLMEngine
+    from tianxia.server.api import build_app
+    from tianxia.server.metrics import ServerMetrics
+    from tianxia.server.serving import OpenAIServing
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or default_model
+    api_key = (
+        args.api_key if args.api_key is not None else os.environ.get("TIANXIA_API_KEY") or None
+    )
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError("--max-waiting-requests must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
+
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # no `_created` series (as vLLM)
+    engine = LLMEngine(engine_config(args, model))
+    names = args.served_model_name or [model]
+    async_engine = AsyncLLMEngine(
+        engine,
+        max_waiting_requests=args.max_waiting_requests,
+        log_stats_interval=None if args.disable_log_stats else 10.0,
+    )
+    cache_info = {
+        "block_size": str(engine.config.cache.block_size),
+        "num_gpu_blocks": str(engine.block_manager.num_blocks),
+        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
+    }
+    metrics = ServerMetrics(
+        names[0],
+        engine.max_model_len,
+        async_engine.stats,
+        lambda: async_engine.max_step_seqs,
+        cache_info,
+    )
+    async_engine.listener = metrics
+    serving = OpenAIServing(async_engine, names, metrics=metrics)
+    app = build_app(serving, metrics=metrics, api_key=api_key, root_path=args.root_path)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=not args.disable_access_log,
+        # a backstop: the drain deadline below ends the requests still running first, cleanly
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
+        timeout_keep_alive=5,
+    )
+    server = _graceful_server_class()(config)
+
+    def on_signal() -> None:
+        serving.draining = True
+        metrics.draining.set(1)
+        loop = async_engine.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(
+                lambda: drain_tasks.append(loop.create_task(drain_deadline()))
+            )
+        logger.info(
+            "shutting down: no new requests; %d in flight get up to %ds to finish",
+            async_engine.num_unfinished,
+            args.shutdown_timeout,
+        )
+
+    drain_tasks: list[asyncio.Task] = []
+
+    async def drain_deadline() -> None:
+        await asyncio.sleep(args.shutdown_timeout)
+        n = async_engine.abort_all("the server is shutting down (--shutdown-timeout reached)")
+        if n:
+            logger.warning("shutdown timeout: aborted %d request(s) still running", n)
+
+    server.on_signal = on_signal
+    logger.info(
+        "serving %s as %s on http://%s:%d (max_model_len=%d)%s",
+        model,
+        ", ".join(names),
+        args.host,
+        args.port,
+        engine.max_model_len,
+        ", API key required" if api_key else "",
+    )
+    server.run()
+    if server.started is False and not server.should_exit:
+        return 1
+    return 0

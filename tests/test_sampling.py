@@ -1,0 +1,345 @@
+"""The sampling and decoding surface with vLLM semantics, on the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tianxia import LLM, BeamSearchParams, SamplingParams
+from tianxia.engine.sequence import Sequence
+from tianxia.layers.sampler import Sampler, SamplingBatch
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "My favourite season is"]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"logprobs": 100}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"logit_bias": {1: 500}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"), ({"seed": "x"}, "seed"), ({"temperature": "hot"}, "temperature"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_token_ids_outside_vocab_are_rejected(smollm2_llm):
+    with pytest.raises(ValueError, match="logit_bias"):
+        smollm2_llm.generate("hi", SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
+# --- truncation equals greedy ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}, {"temperature": 0.0, "top_k": 5, "top_p": 0.5}],
+)
+def test_degenerate_truncation_equals_greedy(smollm2_llm, kwargs):
+    greedy = _tokens(smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12)))
+    params = SamplingParams(**{"temperature": 1.0, "seed": 7, "max_tokens": 12, **kwargs})
+    assert _tokens(smollm2_llm.generate(PROMPTS, params)) == greedy
+
+
+# --- penalties and logit bias: exactly the reference formula on transformers' logits ---------------
+
+def test_penalties_and_logit_bias_match_reference(smollm2_llm, smollm2_reference):
+    tok = smollm2_llm.get_tokenizer()
+    prompt = tok.encode("the cat and the dog and the cat")
+    output = tok.encode(" and the bird and the cat the", add_special_tokens=False)
+    with torch.no_grad():
+        logits = smollm2_reference(torch.tensor([prompt + output])).logits[0, -1].float()
+    bias = {output[0]: 5.0, 100: -3.0, 2000: 2.5}
+    params = SamplingParams(
+        temperature=0, presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.3,
+        logit_bias=bias, max_tokens=50,
+    )
+    seq = Sequence("r", None, prompt, params)
+    seq.token_ids += output
+    batch = SamplingBatch.from_sequences([seq], eos_ids=(2,))
+    ours = Sampler()._process(logits.clone()[None], batch)[0]
+
+    ref = logits.clone()
+    for t, b in bias.items():
+        ref[t] += b
+    for t in set(prompt) | set(output):  # repetition: prompt and output tokens
+        ref[t] = ref[t] / 1.3 if ref[t] > 0 else ref[t] * 1.3
+    for t in set(output):  # frequency and presence: output tokens only
+        ref[t] -= 0.3 * output.count(t) + 0.7
+    assert torch.allclose(ours, ref, rtol=0, atol=1e-5)
+
+
+# --- logprobs ---------------------------------------------------------------------------------------
+
+def test_logprobs_and_prompt_logprobs_match_transformers(smollm2_llm, smollm2_reference):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+    out = smollm2_llm.generate("The three primary colors are", params, use_tqdm=False)[0]
+    prompt, gen = out.prompt_token_ids, out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = smollm2_reference(torch.tensor([prompt + gen])).logits[0].float().log_softmax(-1)
+
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert prompt[pos] in entry and len(entry) in (3, 4)
+        for t, lp in entry.items():
+            assert abs(lp.logprob - ref[pos - 1, t].item()) < 1e-4
+        top3 = ref[pos - 1].topk(3).indices.tolist()
+        assert [t for t, lp in entry.items() if lp.rank <= 3] == top3 or set(top3) <= set(entry)
+
+    logprobs = out.outputs[0].logprobs
+    assert len(logprobs) == len(gen)
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(gen, logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t].item()) < 1e-4
+            assert lp.rank == int((row > row[t]).sum()) + 1
+        total += row[token].item()
+    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-3
+
+
+# --- seeds ------------------------------------------------------------------------------------------
+
+def test_seed_is_per_request(smollm2_llm, smollm2_path):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    target = "Write a short poem about the sea."
+    alone = _tokens(smollm2_llm.generate(target, seeded, use_tqdm=False))[0]
+
+    prompts, params = [], []
+    for i in range(16):
+        prompts.append(target if i == 5 else f"Prompt number {i}: tell me about")
+        params.append(seeded if i == 5 else SamplingParams(
+            temperature=0.8, seed=i if i % 2 else None, max_tokens=10 + i, ignore_eos=True))
+    batched = _tokens(smollm2_llm.generate(prompts, params))
+    assert batched[5] == alone
+
+    other = LLM(str(smollm2_path), kv_cache_memory="64MiB", seed=123)
+    assert _tokens(other.generate(target, seeded, use_tqdm=False))[0] == alone
+    different = SamplingParams(temperature=1.0, top_p=0.95, seed=43, max_tokens=16, ignore_eos=True)
+    assert _tokens(smollm2_llm.generate(target, different, use_tqdm=False))[0] != alone
+
+
+def test_unseeded_requests_vary(smollm2_llm):
+    p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outs = {tuple(t) for t in _tokens(smollm2_llm.generate(["Once upon a time"] * 4, p))}
+    assert len(outs) > 1
+
+
+# --- the sampled distribution -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [{"top_k": 6}, {"top_p": 0.6}, {"top_k": 10, "top_p": 0.8, "temperature": 0.7}])
+def test_sampled_frequencies_match_truncated_softmax(smollm2_llm, kwargs):
+    prompt = "My favourite colour is"
+    ids = smollm2_llm.get_tokenizer().encode(prompt)
+    logits = smollm2_llm.engine.score(ids)[-1]
+    temp = kwargs.get("temperature", 1.0)
+    probs = (logits / temp).softmax(-1)
+    order = probs.argsort(descending=True)
+    keep = order[: kwargs.get("top_k", len(order))]
+    if "top_p" in kwargs:  # as vLLM: top-p over the distribution renormalized after top-k
+        p = probs[keep] / probs[keep].sum()
+        keep = keep[(p.cumsum(0) - p) < kwargs["top_p"]]
+    expected = probs[keep] / probs[keep].sum()
+
+    # the n sequences of a request with seed s use seeds s, s+1, ...: keep the requests' ranges apart
+    requests, n = 12, 128
+    draws = requests * n
+    params = [SamplingParams(n=n, max_tokens=1, seed=10_000 * (i + 1), temperature=temp,
+                             **{k: v for k, v in kwargs.items() if k != "temperature"}) for i in range(requests)]
+    outs = smollm2_llm.generate([prompt] * requests, params)
+    counts: dict[int, int] = {}
+    for out in outs:
+        for c in out.outputs:
+            counts[c.token_ids[0]] = counts.get(c.token_ids[0], 0) + 1
+    assert set(counts) <= set(keep.tolist()), "sampled a token outside the truncated set"
+    observed = torch.tensor([counts.get(t, 0) for t in keep.tolist()], dtype=torch.float64)
+    exp = expected.double() * draws
+    # merge rare categories so every expected count is >= 5
+    big = exp >= 5
+    obs_m = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp_m = torch.cat([exp[big], exp[~big].sum()[None]])
+    if exp_m[-1] < 5:
+        obs_m, exp_m = obs_m[:-1], exp_m[:-1]
+    chi2 = float(((obs_m - exp_m) ** 2 / exp_m).sum())
+    dof = len(exp_m) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+
+
+# --- n > 1 --------------------------------------------------------------------------------------------
+
+def test_n_shares_the_prompt(smollm2_llm):
+    engine = smollm2_llm.engine
+    prompt = "A long shared prompt about the history of computing, " * 5  # ends mid-block
+    n_prompt = len(smollm2_llm.get_tokenizer().encode(prompt))
+    assert n_prompt % 16
+    before = engine.stats()
+    out = smollm2_llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+    after = engine.stats()
+    computed = after["prompt_tokens"] - before["prompt_tokens"]
+    assert computed == n_prompt - out.num_cached_tokens  # the prompt is computed once, not 4 times
+    assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert after["num_free_blocks"] == engine.block_manager.num_blocks or after["num_running"] == 0
+    # greedy n=2: both copies equal the single greedy output (copy-on-write kept the prompt intact)
+    g = smollm2_llm.generate(prompt, SamplingParams(n=2, temperature=0, max_tokens=12), use_tqdm=False)[0]
+    single = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert g.outputs[0].token_ids == g.outputs[1].token_ids == single.outputs[0].token_ids
+
+
+# --- beam search ----------------------------------------------------------------------------------------
+
+def test_beam_width_one_equals_greedy(smollm2_llm):
+    greedy = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    beams = smollm2_llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=10, ignore_eos=True))
+    best = beams[0].sequences[0]
+    assert best.tokens[len(greedy.prompt_token_ids):] == greedy.outputs[0].token_ids
+
+
+def _tiny_char_model(tmp_path, vocab_chars: str):
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(vocab_chars)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, eos_token_id=1, bos_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper distributions than the default init, so beams differ
+        model.lm_head.weight.mul_(40)
+    model.save_pretrained(str(tmp_path))
+    fast.save_pretrained(str(tmp_path))
+    return model
+
+
+def _reference_beam_search(model, prompt: list[int], width: int, steps: int, eos: int, lp: float):
+    def score(tokens, cum):
+        n = len(tokens) - (1 if tokens[-1] == eos else 0)
+        return cum / n**lp
+
+    beams, done = [(prompt, 0.0)], []
+    for _ in range(steps):
+        cands = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                row = model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+            vals, ids = row.topk(2 * width)
+            for v, t in zip(vals.tolist(), ids.tolist()):
+                (done if t == eos else cands).append((tokens + [t], cum + v))
+        beams = sorted(cands, key=lambda b: score(*b), reverse=True)[:width]
+    return sorted(done + beams, key=lambda b: score(*b), reverse=True)[:width]
+
+
+def test_beam_search_matches_brute_force_reference(tmp_path):
+    chars = "abcdefghijklmnopqrstuvwxyz .,"
+    model = _tiny_char_model(tmp_path, chars)
+    llm = LLM(str(tmp_path), num_kv_blocks=256, seed=0)
+    prompt = "the cat sat"
+    ids = llm.get_tokenizer().encode(prompt)
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=5, length_penalty=1.0))[0]
+    ref = _reference_beam_search(model, ids, 4, 5, eos=1, lp=1.0)
+    assert len(out.sequences) == 4
+    for ours, (tokens, cum) in zip(out.sequences, ref):
+        assert ours.tokens == tokens
+        assert abs(ours.cum_logprob - cum) < 1e-4
+    # every beam's score is the exact log-probability of its tokens under the model
+    for beam in out.sequences:
+        with torch.no_grad():
+            lps = model(torch.tensor([beam.tokens])).logits[0].float().log_softmax(-1)
+        exact = sum(lps[i - 1, beam.tokens[i]].item() for i in range(len(ids), len(beam.tokens)))
+        assert abs(beam.cum_logprob - exact) < 1e-4
+
+
+# --- stop strings, min_tokens, multi-byte text ---------------------------------------------------------
+
+def test_stop_string_spanning_tokens(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    base = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+    pieces = [tok.decode([t]) for t in base.token_ids]
+    i = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    out = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=stop),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert base.text.startswith(out.text + stop) and stop not in out.text
+    inc = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=stop,
+                                                          include_stop_str_in_output=True), use_tqdm=False)
+    assert inc[0].outputs[0].text == out.text + stop
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens(smollm2_llm):
+    chat = [{"role": "user", "content": "Say hi."}]
+    short = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=100))[0].outputs[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 30
+    eos = smollm2_llm.engine.eos_ids
+    out = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=100, min_tokens=40))[0].outputs[0]
+    assert len(out.token_ids) >= 40
+    assert not set(out.token_ids[:40]) & set(eos)
+    stop_tok = short.token_ids[1]
+    out = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=60, min_tokens=5,
+                                                stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert stop_tok not in out.token_ids[:5]
+
+
+def test_bad_words_and_allowed_token_ids(smollm2_llm):
+    base = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert "Paris" in base.outputs[0].text
+    out = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, bad_words=["Paris"]),
+                               use_tqdm=False)[0].outputs[0]
+    assert "Paris" not in out.text
+    allowed = base.outputs[0].token_ids[:3]
+    out = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=1, max_tokens=6,
+                                                          allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+
+
+def test_streamed_multibyte_text_is_never_broken(smollm2_llm):
+    engine = smollm2_llm.engine
+    tok = smollm2_llm.get_tokenizer()
+    prompts = ["你好，世界！我们今天学习中文。你好，世界！", "🙂🚀🎉 emoji party 🙂🚀🎉 more emoji:", "naïve café — déjà vu"]
+    non_ascii = 0
+    for i, prompt in enumerate(prompts):
+        rid = f"mb-{i}"
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        seq = engine.requests[rid][0]
+        deltas = []
+        while not seq.is_finished:
+            engine.step()
+            deltas.append(seq.detok.delta(seq.is_finished))
+        full = "".join(deltas)
+        assert full == seq.detok.text == tok.decode(seq.output_token_ids, skip_special_tokens=True)
+        # a replacement character may only appear where the model's bytes really are invalid UTF-8
+        assert full.count("\ufffd") == tok.decode(seq.output_token_ids).count("\ufffd")
+        if "\ufffd" not in full:
+            assert all("\ufffd" not in d for d in deltas), deltas
+        non_ascii += sum(ord(c) > 127 for c in full)
+    assert non_ascii > 10
+
+
+def test_detokenize_false_returns_ids_only(smollm2_llm):
+    out = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, detokenize=False),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 6

@@ -1,0 +1,340 @@
+"""The Triton kernels against the torch reference implementations.
+
+On a machine without a GPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before the kernels are imported) on small shapes; with a GPU they run compiled, on the GPU. The
+whole module is skipped when Triton is not installed (CPU builds of PyTorch do not ship it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # the interpreter must be on before triton's own jit functions are defined
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set; run with "
+                    "TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+if not CUDA:
+    # Triton's interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(),
+    # which NumPy >= 2.4 refuses for 1-d arrays; take the element instead.
+    from triton.runtime import interpreter as _interp
+
+    _orig_patch = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+from tianxia.layers.attention import AttentionMetadata, get_backend
+from tianxia.layers.attention import triton_attention as ta
+from tianxia.layers.attention import triton_ops as to
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.bfloat16]
+
+
+def _exact(dtype):
+    """Bit-exact on the GPU; the interpreter truncates float32 -> bf16 instead of rounding."""
+    return dict(atol=0, rtol=0) if CUDA or dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
+
+
+def _batch(q_lens, ctx_lens, num_blocks, bs, seed=0):
+    """Metadata for sequences with ``ctx_lens`` cached tokens and ``q_lens`` new ones (decodes,
+    query length 1, first), each over a random set of blocks."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots, seq_lens, starts = [], [], [], [0]
+    for q, c in zip(q_lens, ctx_lens):
+        n = c + q
+        nb = (n + bs - 1) // bs
+        table = [free.pop() for _ in range(nb)]
+        tables.append(table)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(c, n))
+        seq_lens.append(n)
+        starts.append(starts[-1] + q)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
+        block_tables=bt.to(DEV),
+        seq_lens=seq_lens,
+        query_lens=list(q_lens),
+        query_start_loc=starts,
+        num_decodes=sum(1 for q in q_lens if q == 1),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=DEV),
+        block_size=bs,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,window,softcap",
+    [((4, 2, 32), None, None), ((6, 2, 16), None, None), ((4, 4, 16), 7, None), ((4, 1, 16), None, 5.0)],
+)
+def test_triton_backend_matches_torch(dtype, heads, window, softcap):
+    hq, hk, d = heads
+    bs, num_blocks = 4, 64
+    # three decodes (short, mid, long), a fresh prompt, a chunk after a cached prefix, a 1-token prompt tail
+    q_lens = [1, 1, 1, 9, 6, 2]
+    ctx_lens = [0, 5, 30, 0, 11, 3]
+    meta = _batch(q_lens, ctx_lens, num_blocks, bs, seed=hq + hk)
+    g = torch.Generator().manual_seed(0)
+    T = sum(q_lens)
+    q = torch.randn(T, hq, d, generator=g).to(dtype).to(DEV)
+    k = torch.randn(T, hk, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(T, hk, d, generator=g).to(dtype).to(DEV)
+    cache = torch.randn(2, num_blocks, bs, hk, d, generator=g).to(dtype).to(DEV)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    scale = d**-0.5
+    ref = get_backend(DEV, "torch").forward(q, k, v, ref_cache, meta, scale, window, softcap)
+    out = get_backend(DEV, "triton").forward(q, k, v, tri_cache, meta, scale, window, softcap)
+    assert torch.equal(ref_cache, tri_cache)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_splits_and_padding_rows(splits):
+    hq, hk, d, bs, num_blocks = 8, 2, 32, 4, 64
+    meta = _batch([1, 1, 1], [40, 3, 17], num_blocks, bs, seed=splits)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, hq, d, generator=g).to(DEV)
+    cache = torch.randn(2, num_blocks, bs, hk, d, generator=g).to(DEV)
+    ref = _dense_decode(q, cache, meta, d**-0.5)
+    # padding rows: length 0 -> zeros
+    lens = torch.cat([meta.seq_lens_tensor, torch.zeros(2, dtype=torch.int64, device=DEV)])
+    tables = torch.cat([meta.block_tables, torch.zeros(2, meta.block_tables.shape[1], dtype=torch.int64, device=DEV)])
+    qp = torch.cat([q, torch.randn(2, hq, d, device=DEV)])
+    out = ta.decode_attention(qp, cache, tables, lens, d**-0.5, splits)
+    torch.testing.assert_close(out[:3], ref, atol=2e-4, rtol=2e-4)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+def _dense_decode(q, cache, meta, scale):
+    outs = []
+    for i, n in enumerate(meta.seq_lens):
+        tbl = meta.block_tables[i]
+        kk = cache[0][tbl].flatten(0, 1)[:n]  # [n, hk, d]
+        vv = cache[1][tbl].flatten(0, 1)[:n]
+        rep = q.shape[1] // kk.shape[1]
+        kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), kk.float()) * scale
+        outs.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vv.float()))
+    return torch.stack(outs).to(q.dtype)
+
+
+def test_write_kv_skips_negative_slots():
+    hk, d, bs, nb = 2, 16, 4, 8
+    cache = torch.zeros(2, nb, bs, hk, d, device=DEV)
+    k = torch.randn(3, hk, d, device=DEV)
+    v = torch.randn(3, hk, d, device=DEV)
+    ta.write_kv(k, v, cache, torch.tensor([5, -1, 30], device=DEV))
+    expected = torch.zeros(2, nb * bs, hk, d, device=DEV)
+    expected[0, 5], expected[1, 5], expected[0, 30], expected[1, 30] = k[0], v[0], k[2], v[2]
+    assert torch.equal(cache.view(2, -1, hk, d), expected)
+
+
+# --- fused ops of the CUDA-graph decode path ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm(dtype, with_residual):
+    from tianxia.layers.norm import RMSNorm
+
+    norm = RMSNorm(48, 1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    norm = norm.to(dtype)
+    x = torch.randn(5, 48, device=DEV).to(dtype)
+    res = torch.randn(5, 48, device=DEV).to(dtype) if with_residual else None
+    if res is None:
+        ref = norm(x)
+        out, new_res = to.add_rmsnorm(x, None, norm.weight, 1e-6)
+        assert new_res is x
+    else:
+        ref, ref_res = norm(x, res)
+        out, new_res = to.add_rmsnorm(x, res, norm.weight, 1e-6)
+        torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
+    torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    from tianxia.layers.activation import SiluAndMul
+
+    x = torch.randn(3, 2 * 40, device=DEV).to(dtype)
+    torch.testing.assert_close(to.silu_mul(x), SiluAndMul()(x), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv(dtype):
+    from tianxia.layers.rotary import RotaryEmbedding
+
+    hq, hk, d, bs, nb = 4, 2, 32, 4, 16
+    rope = RotaryEmbedding(d, 256, 10000.0)
+    rope.build_cache(DEV)
+    T = 3
+    qkv = torch.randn(T, (hq + 2 * hk) * d, device=DEV).to(dtype)
+    pos = torch.tensor([0, 17, 200], device=DEV)
+    slots = torch.tensor([3, -1, 40], device=DEV)
+    cache = torch.zeros(2, nb, bs, hk, d, device=DEV, dtype=dtype)
+    q_out = to.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], -1)
+    rq, rk = rope(pos, q.reshape(T, hq, d), k.reshape(T, hk, d))
+    torch.testing.assert_close(q_out, rq, **_tol(dtype))
+    flat = cache.view(2, -1, hk, d)
+    torch.testing.assert_close(flat[0, 3], rk[0], **_tol(dtype))
+    torch.testing.assert_close(flat[0, 40], rk[2], **_tol(dtype))
+    assert torch.equal(flat[1, 40], v.reshape(T, hk, d)[2])
+    assert flat[:, 17].abs().sum() == 0  # slot -1 skipped
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu"])
+def test_gemv(dtype, mode):
+    K, N = 96, 40
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, K, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(2 * N if mode == "silu" else N, K, generator=g) / K**0.5).to(dtype).to(DEV)
+    b = torch.randn(N, generator=g).to(dtype).to(DEV) if mode == "bias" else None
+    nw = torch.randn(K, generator=g).to(dtype).to(DEV)
+    res = torch.randn(1, K, generator=g).to(dtype).to(DEV)
+    kw = dict(block_n=8, block_k=32)
+    if mode in ("plain", "bias"):
+        ref = torch.nn.functional.linear(x, w, b)
+        out = to.gemv(x, w, b, **kw)
+    elif mode == "silu":
+        from tianxia.layers.activation import SiluAndMul
+
+        ref = SiluAndMul()(torch.nn.functional.linear(x, w))
+        out = to.gemv(x, w, act="silu_mul", **kw)
+    else:
+        from tianxia.layers.norm import RMSNorm
+
+        norm = RMSNorm(K, 1e-6).to(DEV).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(nw)
+        if mode == "norm":
+            h, ref_res = norm(x), x
+            out, new_res = to.gemv(x, w, norm_weight=norm.weight, eps=1e-6, **kw)
+        else:
+            h, ref_res = norm(x, res)
+            out, new_res = to.gemv(x, w, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
+        ref = torch.nn.functional.linear(h, w)
+        torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+
+
+# --- the fused decode forward, against the model's own forward --------------------------------------
+
+
+def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True):
+    from tianxia.config import CacheConfig, ModelConfig
+    from tianxia.engine.model_runner import ModelRunner
+    from tianxia.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(
+        architecture="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=bias,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, get_backend(DEV, "triton")).to(DEV)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+            if p.dim() == 1 and p.shape[0] == 64:  # norm weights around 1
+                p.add_(1.0)
+    model = model.to(dtype)
+    model.init_buffers(DEV)
+    model.eval()
+    return ModelRunner(model, cfg, CacheConfig(block_size=4, num_blocks=64), DEV, dtype), cfg
+
+
+def _greedy(runner, prompts, steps):
+    from tianxia.engine.sequence import Sequence
+    from tianxia.sampling_params import SamplingParams
+
+    seqs = []
+    free = list(range(runner.num_blocks))
+    for i, p in enumerate(prompts):
+        s = Sequence(f"r{i}", None, p, SamplingParams(temperature=0, max_tokens=steps))
+        s.block_table = [free.pop() for _ in range((len(p) + steps + 3) // 4)]
+        seqs.append(s)
+    res = runner.execute([(s, len(s)) for s in seqs])
+    for s in seqs:
+        s.num_computed_tokens = len(s)
+        s.token_ids.append(res.tokens[s.seq_id])
+    for _ in range(steps - 1):
+        res = runner.execute([(s, 1) for s in seqs])
+        for s in seqs:
+            s.num_computed_tokens += 1
+            s.token_ids.append(res.tokens[s.seq_id])
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_decode_matches_model(batch):
+    from tianxia.engine.cuda_graph import CudaGraphRunner, unsupported_reason
+
+    dtype = torch.float32
+    runner, cfg = _tiny_runner(dtype)
+    assert unsupported_reason(runner.model, cfg) is None
+    prompts = [[(7 * i + 3 * j) % cfg.vocab_size for j in range(5 + 2 * i)] for i in range(batch)]
+    expected = _greedy(runner, prompts, 6)
+    runner2, _ = _tiny_runner(dtype)
+    runner2.graph_runner = CudaGraphRunner(
+        runner2.model, cfg, runner2.kv_caches, 4, max_num_seqs=4, max_model_len=64, device=DEV,
+        use_graphs=CUDA,
+    )
+    runner2.graph_runner.capture()
+    assert _greedy(runner2, prompts, 6) == expected
+
+
+def test_fused_decoder_logits_close():
+    """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
+    from tianxia.engine.cuda_graph import FusedDecoder
+
+    runner, cfg = _tiny_runner(torch.float32, tie=False)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
+    _greedy(runner, prompts, 2)  # fills the cache
+    dec = FusedDecoder(runner.model, cfg, runner.kv_caches, 64)
+    for b in (1, 3):
+        from tianxia.engine.sequence import Sequence
+        from tianxia.sampling_params import SamplingParams
+
+        seqs = []
+        for i, p in enumerate(prompts[:b]):
+            s = Sequence(f"x{i}", None, p + [5], SamplingParams(max_tokens=1))
+            s.block_table = list(range(10 * i, 10 * i + 3))
+            s.num_computed_tokens = len(p)
+            seqs.append(s)
+        _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
+        ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
+        from tianxia.layers.attention.triton_attention import decode_num_splits
+
+        got = dec.forward(ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
+                          decode_num_splits(b, 2, 64))
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
