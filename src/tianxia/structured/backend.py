@@ -92,7 +92,8 @@ class GrammarBackend:
                     raise ValueError("a JSON schema must be an object")
                 compiled = self.compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+                # OpenAI's json_object promises an object, not any JSON value (vLLM does the same).
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
             elif kind == "choice":
