@@ -10,6 +10,9 @@ Sections (``--sections``, default all):
 - ``decode``: Qwen2.5-7B shape, batch 1, bf16: ms/token of the captured decode graph (GPU time),
   of the engine end to end (graphs; eager), and of ``transformers.generate``, against the roofline
   = (weight bytes + KV bytes read per token) / the copy bandwidth measured in this run.
+- ``quant``: ``--quant-shapes``, FP8 and INT8 weights (per-channel scales) against bf16: batch-1
+  decode graph ms/token against the roofline of each weight size, decode ms/token at batch 64, the
+  prompt logits' error against transformers in bf16, and greedy agreement with the bf16 engine.
 - ``throughput``: both shapes, ``--num-seqs`` sequences with input and output lengths uniform in
   [100, 1024] (ignore EOS): output tokens/s of tianxia (all requests at once) and of
   ``transformers`` batched ``generate`` (left-padded, every row generating the longest output).
@@ -122,7 +125,8 @@ class StubTokenizer:
 
 def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_util: float | None, kv_memory: int | None,
-                 enforce_eager: bool = False, release_hf: bool = False):
+                 enforce_eager: bool = False, release_hf: bool = False,
+                 quantization: str | None = None):
     """An LLMEngine over a copy of ``hf``'s weights (the loader is patched out). With
     ``release_hf`` the transformers model's tensors are freed once copied, before the engine
     plans its GPU memory."""
@@ -143,6 +147,10 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
         model.to(dtype)
         missing = model.load_weights(hf.state_dict().items())
         assert not missing, missing
+        if quantization:
+            from tianxia.quant.channelwise import quantize_model
+
+            quantize_model(model, quantization)
         if release_hf:
             for t in (*hf.parameters(), *hf.buffers()):
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -596,6 +604,71 @@ def section_shapes(args):
             Path(args.out, f"{args.tag}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
+def section_quant(args):
+    """bf16 vs fp8 vs int8 weights on the same random model, one engine at a time."""
+    dtype = torch.bfloat16
+    for shape in args.quant_shapes:
+        hf = build_hf(shape, args.device, dtype)
+        cfg = SHAPES[shape]
+        prompts = _prompts(8, cfg["vocab_size"], 16, 64, seed=12)
+        with torch.no_grad():
+            ref_logits = [hf(torch.tensor([p], device=args.device)).logits[0].float().cpu() for p in prompts[:4]]
+        params = dict(hf.named_parameters())
+        base_bytes = weight_bytes_per_token(params, cfg)
+        proj = sum(t.numel() * t.element_size() for n, t in params.items()
+                   if n.endswith("proj.weight") and ".layers." in n)
+        del params
+        bw = RESULTS.get("env", {}).get("copy_bw_tbs", float("nan")) * 1e12
+        res: dict = {}
+        base_tokens = None
+        for method in (None, "fp8", "int8"):
+            name = method or "bf16"
+            engine, startup = build_engine(
+                hf, args.device, "bfloat16", max_num_seqs=64, max_model_len=2048,
+                max_num_batched_tokens=8192, gpu_util=None,
+                kv_memory=(8 << 30) if args.device == "cuda" else (64 << 20), quantization=method,
+            )
+            r: dict = {"startup_s": startup}
+            try:
+                wbytes = base_bytes - proj + (proj // 2 if method else 0)
+                prompt = prompts[0] * 2
+                steps: list[float] = []
+                engine_generate(engine, [prompt], [128], steps)
+                r["engine_ms_per_token"] = sum(steps[1:]) / len(steps[1:]) * 1e3
+                gr = engine.runner.graph_runner
+                if gr is not None and 1 in gr.graphs:
+                    r["graph_ms_per_token"] = _time_graph(gr.graphs[1]) * 1e3
+                    r["roofline_ms"] = (wbytes + 0.0) / bw * 1e3
+                    r["pct_roofline"] = 100 * r["roofline_ms"] / r["graph_ms_per_token"]
+                steps = []
+                batch = [prompts[i % len(prompts)] for i in range(64)]
+                engine_generate(engine, batch, [64] * 64, steps)
+                decode_steps = steps[2:]
+                r["batch64_ms_per_step"] = sum(decode_steps) / len(decode_steps) * 1e3
+                errs = []
+                for p, ref in zip(prompts, ref_logits):
+                    got = engine.score(p).float().cpu()
+                    errs.append(float((got - ref).norm() / ref.norm()))
+                r["prompt_logits_rel_err_vs_hf"] = max(errs)
+                tokens = engine_generate(engine, prompts, [32] * len(prompts))
+                if base_tokens is None:
+                    base_tokens = tokens
+                r["greedy_tokens_equal_bf16"] = sum(
+                    next((i for i, (a, b) in enumerate(zip(t, b0)) if a != b), len(t))
+                    for t, b0 in zip(tokens, base_tokens)) / (32 * len(prompts))
+            except Exception:
+                traceback.print_exc()
+                r["error"] = traceback.format_exc()[-1500:]
+            finally:
+                del engine
+                free_memory()
+            log(f"{shape}/{name}: {r}")
+            res[name] = r
+        RESULTS.setdefault("quant", {})[shape] = res
+        del hf
+        free_memory()
+
+
 # --- report ---------------------------------------------------------------------------------------
 
 
@@ -658,6 +731,16 @@ def report() -> str:
                       "|---|---|---|---|---|---|",
                       f"| {shape} | {t['num_seqs']} | {t['output_tokens']} | {fmt(t['tianxia']['tokens_per_s'], 0)} | "
                       f"{fmt(hf.get('tokens_per_s'), 0)} ({hf.get('seqs', '-')}) | {fmt(t.get('speedup'), 1)} |", ""]
+    for shape, res in RESULTS.get("quant", {}).items():
+        lines += [f"| {shape} weights | batch-1 graph ms/token | roofline ms | % of roofline | engine ms/token "
+                  "| batch-64 ms/step | prompt logits rel. err vs transformers bf16 | greedy tokens agreeing with bf16 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, r in res.items():
+            lines.append(f"| {name} | {fmt(r.get('graph_ms_per_token'), 3)} | {fmt(r.get('roofline_ms'), 3)} | "
+                         f"{fmt(r.get('pct_roofline'), 1)} | {fmt(r.get('engine_ms_per_token'), 3)} | "
+                         f"{fmt(r.get('batch64_ms_per_step'), 2)} | {fmt(r.get('prompt_logits_rel_err_vs_hf'), 4)} | "
+                         f"{fmt(r.get('greedy_tokens_equal_bf16'), 3)} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -680,6 +763,7 @@ def main() -> int:
     ap.add_argument("--hf-throughput-seqs", type=int, default=256,
                     help="sequences given to transformers' batched generate (the first k of the workload)")
     ap.add_argument("--gpu-util", type=float, default=0.85)
+    ap.add_argument("--quant-shapes", nargs="+", default=["qwen2.5-7b"])
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name in ("httpx", "transformers", "urllib3"):

@@ -84,9 +84,8 @@ class FusedDecoder:
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight, eps1=layer.input_layernorm.eps,
                 ln2=layer.post_attention_layernorm.weight, eps2=layer.post_attention_layernorm.eps,
-                qkv_w=attn.qkv_proj.weight, qkv_b=attn.qkv_proj.bias,
-                o_w=attn.o_proj.weight, gu_w=layer.mlp.gate_up_proj.weight,
-                down_w=layer.mlp.down_proj.weight, rope=rope, scale=attn.scale,
+                qkv=attn.qkv_proj, o=attn.o_proj, gu=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
+                rope=rope, scale=attn.scale,
                 window=attn.sliding_window,
             ))
         self.num_heads = config.num_attention_heads
@@ -104,24 +103,28 @@ class FusedDecoder:
         gemv_path = B == 1 and self.use_gemv
         x = F.embedding(ids, self.embed)
         res = None
+        def proj(mod, v, **fused):
+            # projections are nn.Linear or int8/fp8 ChannelwiseLinear (weight + per-row weight_scale)
+            return gemv(v, mod.weight, mod.bias, w_scale=getattr(mod, "weight_scale", None), **fused)
+
         for L, kv_cache in zip(self.layers, self.kv_caches):
             if gemv_path:
-                qkv, res = gemv(x, L["qkv_w"], L["qkv_b"], residual=res, norm_weight=L["ln1"], eps=L["eps1"])
+                qkv, res = proj(L["qkv"], x, residual=res, norm_weight=L["ln1"], eps=L["eps1"])
             else:
                 h, res = add_rmsnorm(x, res, L["ln1"], L["eps1"])
-                qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+                qkv = L["qkv"](h)
             q = rope_write_kv(qkv, positions, L["rope"].cos_sin, kv_cache, slots, hq, hk, d)
             o = decode_attention(q, kv_cache, block_tables, seq_lens, L["scale"], num_splits,
                                  sliding_window=L["window"]).view(B, hq * d)
             if gemv_path:
-                x = gemv(o, L["o_w"])
-                act, res = gemv(x, L["gu_w"], residual=res, norm_weight=L["ln2"], eps=L["eps2"],
+                x = proj(L["o"], o)
+                act, res = proj(L["gu"], x, residual=res, norm_weight=L["ln2"], eps=L["eps2"],
                                 act="silu_mul")
-                x = gemv(act, L["down_w"])
+                x = proj(L["down"], act)
             else:
-                x = F.linear(o, L["o_w"])
+                x = L["o"](o)
                 h, res = add_rmsnorm(x, res, L["ln2"], L["eps2"])
-                x = F.linear(silu_mul(F.linear(h, L["gu_w"])), L["down_w"])
+                x = L["down"](silu_mul(L["gu"](h)))
         w, eps = self.final_norm
         if gemv_path:
             logits, _ = gemv(x, self.lm_head, residual=res, norm_weight=w, eps=eps)

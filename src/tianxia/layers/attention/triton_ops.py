@@ -151,8 +151,8 @@ def rope_write_kv(qkv, positions, cos_sin, kv_cache, slots, num_heads, num_kv_he
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, eps, N, K,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, eps, N, K,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, HAS_SCALE: tl.constexpr,
                  EVEN_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -206,12 +206,18 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, eps, N, 
             w2 = tl.load(w_rows + N * K + ks[None, :], mask=wmask, other=0.0)
             acc2 += w2.to(tl.float32) * xf
     y = tl.sum(acc, 1)
+    if HAS_SCALE:
+        # per-output-channel scale of an int8 / fp8 weight: constant along K, so applied once here
+        y *= tl.load(s_ptr + rn, mask=nmask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     odt = out_ptr.dtype.element_ty
     if SILU:
         g = y.to(odt).to(tl.float32)
-        u = tl.sum(acc2, 1).to(odt).to(tl.float32)
+        u = tl.sum(acc2, 1)
+        if HAS_SCALE:
+            u *= tl.load(s_ptr + N + rn, mask=nmask, other=0.0)
+        u = u.to(odt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(odt).to(tl.float32)
         y = s * u
     tl.store(out_ptr + rn, y.to(odt), mask=nmask)
@@ -240,7 +246,7 @@ def _bench(fn, quantiles):
 
 
 _gemv_tuned = triton.autotune(
-    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU", "HAS_BIAS"], do_bench=_bench,
+    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
     cache_results=True,
 )(_gemv_fixed)
 
@@ -254,11 +260,14 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     act: str | None = None,
+    w_scale: torch.Tensor | None = None,  # [N] (or [2N]) float32, for an int8 / fp8 ``w``
     block_n: int | None = None,
     block_k: int | None = None,
 ):
     """``linear(prologue(x), w, bias)`` then the epilogue, for one row.
 
+    An int8 or float8 ``w`` comes with ``w_scale``, its per-row scales (``W = w * w_scale[:, None]``):
+    the kernel reads the narrow weight, which is what makes quantized decode faster.
     With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given), and the
     call returns ``(out, new_residual)``; otherwise ``out``.
     """
@@ -273,12 +282,82 @@ def gemv(
     args = (
         x, w, bias if bias is not None else w, out,
         residual.contiguous() if residual is not None else x, rout,
-        norm_weight if norm_weight is not None else w, float(eps), N, K,
+        norm_weight if norm_weight is not None else w,
+        w_scale if w_scale is not None else x, float(eps), N, K,
     )
-    flags = dict(HAS_BIAS=bias is not None, NORM=norm, SILU=silu)
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm, SILU=silu, HAS_SCALE=w_scale is not None)
     if block_n is not None or _interpreting():
         bn, bk = block_n or 8, block_k or 128
         _gemv_fixed[(triton.cdiv(N, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     else:
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
     return out if norm == 0 else (out, rout)
+
+
+# --- GEMM with an int8 / fp8 weight, dequantized in registers ----------------------------------------
+
+
+@triton.jit
+def _wq_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, M_BUCKET, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped launch order: programs sharing weight columns run together, so W is read ~once from HBM
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    xdt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + rk
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * K + ks[:, None],
+                    mask=(rn[None, :] < N) & (ks[:, None] < K), other=0.0)
+        acc = tl.dot(a, b.to(xdt), acc)
+    acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    omask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=omask)
+
+
+_WQ_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=ns)
+    for bm, bn, bk, nw, ns in [
+        (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+        (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+    ]
+]
+_wq_matmul_tuned = triton.autotune(
+    configs=_WQ_CONFIGS, key=["M_BUCKET", "N", "K", "HAS_BIAS"], do_bench=_bench, cache_results=True,
+)(_wq_matmul_kernel)
+
+
+def wq_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w * w_scale[:, None]).T + bias`` for ``x`` [M, K] in bf16/fp16/fp32 and ``w`` [N, K]
+    int8 or float8, without materializing the dequantized weight."""
+    assert w.is_contiguous() and x.shape[-1] == w.shape[1]
+    x = x.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    args = (x, w, w_scale, bias if bias is not None else w_scale, out, M, N, K,
+            min(triton.next_power_of_2(max(M, 1)), 1024))
+    if _interpreting():
+        bm, bn, bk = 16, 32, 32
+        _wq_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            *args, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)
+    else:
+        _wq_matmul_tuned[lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)](
+            *args, HAS_BIAS=bias is not None)
+    return out
