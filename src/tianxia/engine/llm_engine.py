@@ -207,6 +207,8 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
+        # the most tokens' worth of blocks one sequence holds
+        longest = max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)
         if self.device.type == "cuda":
             setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
         from dataclasses import replace
@@ -221,7 +223,7 @@ class LLMEngine:
             "max concurrency at max_model_len=%d: %.1f",
             self.runner.num_blocks, config.cache.block_size, capacity,
             self.runner.kv_cache_bytes / 2**30, kv_bytes_per_token(loaded.config, self.dtype),
-            max_len, capacity / (max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)),
+            max_len, capacity / longest,
         )
 
     # --- requests -----------------------------------------------------------------------------
