@@ -121,7 +121,7 @@ def test_concurrent_sequences_forks_and_prefix_hits(mistral_dir, mistral_ref, nu
     llm = LLM(str(mistral_dir), num_kv_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=CHUNK)
     engine, bm = llm.engine, llm.engine.block_manager
     shared = prompt_ids(2, 20)
-    greedy = dict(temperature=0, ignore_eos=True, logprobs=2)
+    greedy = {"temperature": 0, "ignore_eos": True, "logprobs": 2}
     # a runs first: its prompt blocks are cached, then given back by the window
     requests = {"a": (shared + [7], SamplingParams(max_tokens=8, **greedy))}
     outputs, _ = run(engine, requests)
