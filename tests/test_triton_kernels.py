@@ -113,6 +113,37 @@ def test_triton_backend_matches_torch(dtype, heads, window, softcap):
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_null_block_entries_leak_nothing(backend):
+    """A sliding-window cache gives back blocks below ``ctx - window + 1`` and points their table
+    entries at a zeroed null block; the blocks themselves are reused (here: filled with NaN).
+    Attention must equal the run over the original table and cache, whatever the kernels read."""
+    hq, hk, d, bs, window = 4, 2, 16, 4, 7
+    q_lens, ctx_lens = [1, 1, 1, 9, 6, 2], [0, 5, 30, 0, 19, 3]
+    meta = _batch(q_lens, ctx_lens, 64, bs, seed=3)
+    g = torch.Generator().manual_seed(1)
+    T = sum(q_lens)
+    q, k, v = (torch.randn(T, h, d, generator=g).to(DEV) for h in (hq, hk, hk))
+    cache = torch.randn(2, 64, bs, hk, d, generator=g).to(DEV)
+    tables = meta.block_tables.clone()
+    null = min(set(range(1, 64)) - set(tables.flatten().tolist()))
+    freed_cache = cache.clone()
+    freed_cache[:, null] = 0
+    num_freed = 0
+    for i, (qlen, seq_len) in enumerate(zip(q_lens, meta.seq_lens)):
+        dead = max(0, seq_len - qlen - window + 1) // bs
+        freed_cache[:, tables[i, :dead]] = float("nan")
+        tables[i, :dead] = null
+        num_freed += dead
+    assert num_freed >= 8
+    attn = get_backend(DEV, backend)
+    ref = attn.forward(q, k, v, cache, meta, d**-0.5, window)
+    meta.block_tables = tables
+    out = attn.forward(q, k, v, freed_cache, meta, d**-0.5, window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_decode_splits_and_padding_rows(splits):
     hq, hk, d, bs, num_blocks = 8, 2, 32, 4, 64

@@ -4,6 +4,14 @@ A full block is identified by a chained key: the key of the block before it plus
 so equal keys mean equal prefixes. Freed blocks that carry a key stay in the cache, in an LRU
 free list (``OrderedDict`` gives O(1) removal from the middle when a cached block is hit again);
 allocation takes the least recently freed block and evicts its key.
+
+Sliding-window attention: when every attention layer only sees the last ``sliding_window``
+positions, a running sequence's blocks that lie wholly before the window of its next token are
+given back after each step (:meth:`BlockManager.free_out_of_window`). Their entries in the block
+table become the *null block*, a block reserved at start-up that is never allocated or written
+(it stays zero), so positions keep their table index, and a kernel that reads a freed position
+(the torch backend's batched decode reads from the earliest window of the batch) reads finite
+zeros under its mask instead of another sequence's K/V.
 """
 
 from __future__ import annotations
@@ -26,14 +34,28 @@ def block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError("the KV cache needs at least one block")
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        """``sliding_window``: the window of every attention layer of the model (a query at p sees
+        keys p - window < pos <= p); None when any layer attends to the whole context, as then
+        every block of a sequence stays needed until it finishes."""
+        # the null block (block 0) is reserved only when blocks can be given back early
+        self.null_block: int | None = 0 if sliding_window is not None else None
+        first = 0 if self.null_block is None else 1
+        if num_blocks < first + 1:
+            raise ValueError("the KV cache needs at least one block (two with a sliding window)")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_usable_blocks = num_blocks - first  # all but the null block
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
         self.cached: dict[int, int] = {}  # key -> block_id
         # prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits)
         self.prefix_queries = 0
@@ -47,10 +69,33 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - len(self.free) / self.num_usable_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no attention layer reads again once ``num_computed_tokens`` are computed.
+
+        The next query is at position ``n = num_computed_tokens`` and sees keys from
+        ``n - window + 1`` on (later queries see even less), so a block is dead when its last
+        position is below that: blocks ``[0, (n - window + 1) // block_size)``.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_per_seq(self, max_step_tokens: int) -> int | None:
+        """Most blocks one sequence ever holds when each step adds at most ``max_step_tokens``
+        tokens to it (None without a sliding window: it grows with the sequence).
+
+        Before a step at ``n`` computed tokens the sequence holds the blocks from
+        ``(n - window + 1) // block_size`` to those of its ``n + max_step_tokens`` tokens; the
+        worst case is a window that starts at the last position of a block.
+        """
+        if self.sliding_window is None:
+            return None
+        return self.blocks_needed(self.block_size - 1 + self.sliding_window - 1 + max_step_tokens)
 
     # --- prefix cache -------------------------------------------------------------------------
 
@@ -87,19 +132,25 @@ class BlockManager:
         have = len(seq.block_table) + len(cached)
         need = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) - have
         need += self._needs_cow(seq)
-        # cached blocks that sit in the free list are not available for new allocations
-        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        # cached blocks that sit in the free list are not available for new allocations (hits
+        # already outside the window are not taken: see take_cached)
+        skipped = self.num_skipped_blocks(len(cached) * self.block_size)
+        reclaimed = sum(1 for b in cached[skipped:] if self.blocks[b].ref_count == 0)
         return need <= len(self.free) - reclaimed
 
     def take_cached(self, seq: Sequence, cached: list[int]) -> None:
-        """Attach prefix-cache hits to a sequence that has no blocks yet."""
+        """Attach prefix-cache hits to a sequence that has no blocks yet; with a sliding window,
+        hits that the next token's window no longer reaches stay where they are (null block)."""
         assert not seq.block_table
-        for block_id in cached:
+        skipped = self.num_skipped_blocks(len(cached) * self.block_size)
+        seq.block_keys = [self.blocks[b].key for b in cached]
+        seq.block_table = [self.null_block] * skipped
+        for block_id in cached[skipped:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
-        seq.block_table = list(cached)
+            seq.block_table.append(block_id)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         self.prefix_queries += seq.num_prompt_tokens
@@ -137,32 +188,56 @@ class BlockManager:
     def share(self, seq: Sequence) -> None:
         """Add a reference to each block of a newly forked sequence."""
         for block_id in seq.block_table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != self.null_block:
+                self.blocks[block_id].ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.key is None or not self.enable_prefix_caching:
+                self.free.move_to_end(block_id, last=False)  # uncached blocks go first
 
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first, so that under pressure the end of a prefix is evicted before its start.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.key is None or not self.enable_prefix_caching:
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)  # uncached blocks go first
-                else:
-                    self.free[block_id] = None
+            if block_id != self.null_block:
+                self._release(block_id)
         seq.block_table = []
+        seq.block_keys = []
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Give back the blocks of ``seq`` that lie wholly before the window of its next token
+        (after :meth:`cache_full_blocks`, so they keep their prefix-cache key); returns how many
+        table entries became the null block. A block shared with a sibling or cached survives
+        through its reference count or key."""
+        skipped = self.num_skipped_blocks(seq.num_computed_tokens)
+        table = seq.block_table
+        released = 0
+        # walk back from the last dead block; everything before a null entry is already null
+        for i in range(min(skipped, len(table)) - 1, -1, -1):
+            if table[i] == self.null_block:
+                break
+            self._release(table[i])
+            table[i] = self.null_block
+            released += 1
+        return released
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the keys of blocks that became full and computed in this step."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
-        parent = None
+        keys = seq.block_keys  # the chain so far, kept on the sequence: freed blocks lose theirs
         bs = self.block_size
-        for i in range(num_full):
-            block = self.blocks[seq.block_table[i]]
+        for i in range(len(keys), num_full):
+            key = block_key(keys[-1] if keys else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            keys.append(key)
+            block_id = seq.block_table[i]
+            if block_id == self.null_block:
+                continue  # given back before this sequence keyed it (a fork keys its chain a step late)
+            block = self.blocks[block_id]
             if block.key is None:
-                key = block_key(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
                 block.key = key
-                self.cached.setdefault(key, block.block_id)
-            parent = block.key
+                self.cached.setdefault(key, block_id)

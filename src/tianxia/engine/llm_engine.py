@@ -145,6 +145,27 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     return _replace(config.cache, num_blocks=int(num_blocks))
 
 
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The sliding window that every attention layer of ``model`` applies (the largest, if they
+    differ), or None when any layer attends to the whole context.
+
+    All layers share one block table, so a block can be given back only when no layer reads it:
+    one global layer (Gemma 2/3) keeps every block. vLLM's hybrid allocator instead gives sliding
+    and global layers separate block tables (KV cache groups), so the sliding layers' blocks are
+    freed even next to global layers.
+    """
+    from tianxia.layers.attention import AttentionBackend
+
+    windows = [
+        getattr(m, "sliding_window", None)
+        for m in model.modules()
+        if isinstance(getattr(m, "backend", None), AttentionBackend)
+    ]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -168,18 +189,28 @@ class LLMEngine:
             cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.dtype)
         self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.dtype, config.seed)
         self.runner.eos_ids = self.eos_ids
-        capacity = self.runner.num_blocks * config.cache.block_size
-        max_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
-        if max_len > capacity:
+        sched = config.scheduler
+        window = attention_window(loaded.model)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            sliding_window=window,
+        )
+        capacity = self.block_manager.num_usable_blocks * config.cache.block_size
+        max_len = sched.max_model_len or loaded.config.max_position_embeddings
+        per_seq = self.block_manager.max_blocks_per_seq(sched.max_num_batched_tokens)
+        if per_seq is not None and per_seq <= self.block_manager.num_usable_blocks:
+            # every layer slides: one sequence never holds more than its window (plus a step's
+            # tokens), so any length fits the cache
+            logger.info("sliding window %d on every layer: a sequence holds at most %d blocks",
+                        window, per_seq)
+        elif max_len > capacity:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
-        sched = config.scheduler
+        # the most tokens' worth of blocks one sequence holds
+        longest = max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)
         if self.device.type == "cuda":
             setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
         from dataclasses import replace
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
@@ -192,7 +223,7 @@ class LLMEngine:
             "max concurrency at max_model_len=%d: %.1f",
             self.runner.num_blocks, config.cache.block_size, capacity,
             self.runner.kv_cache_bytes / 2**30, kv_bytes_per_token(loaded.config, self.dtype),
-            max_len, capacity / max_len,
+            max_len, capacity / longest,
         )
 
     # --- requests -----------------------------------------------------------------------------
@@ -300,9 +331,10 @@ class LLMEngine:
                     for i, lp in enumerate(result.prompt_logprobs[seq.seq_id])
                 )
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             for s in (seq, *forks.get(seq.seq_id, ())):
                 s.num_computed_tokens = seq.num_computed_tokens
+                self.block_manager.cache_full_blocks(s)
+                self.block_manager.free_out_of_window(s)
                 token = result.tokens.get(s.seq_id)
                 if token is None:
                     continue

@@ -4,6 +4,11 @@ Each step, running sequences are served first (a decode is one token, an unfinis
 its next chunk), then waiting ones are admitted first-come first-served while budget, sequence
 slots and KV blocks last. When a running sequence cannot get a block, the newest running sequence
 is preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output).
+
+Block accounting is per step: a sequence asks only for the blocks of its next chunk. With a
+sliding window on every layer the engine gives back out-of-window blocks after each step, so a
+long sequence keeps needing about ``window / block_size + 1`` blocks (plus its chunk) and never
+has to fit the cache whole (``BlockManager.max_blocks_per_seq``).
 """
 
 from __future__ import annotations

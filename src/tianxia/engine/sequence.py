@@ -22,6 +22,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Tokens (prompt then output), how many of them the KV cache holds, and the blocks holding them.
 
+    With a sliding window, the block table's leading entries can be the block manager's null block:
+    positions no attention layer reads any more, whose blocks were given back.
+
     After a recompute preemption the output tokens stay in ``token_ids`` and are prefilled again
     with the prompt; ``num_prompt_tokens`` still marks where the output starts.
     """
@@ -31,7 +34,7 @@ class Sequence:
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
-        "grammar",
+        "grammar", "block_keys",
     )
 
     def __init__(
@@ -52,6 +55,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # prefix-cache keys of the first full blocks (the block manager's chain; kept here because
+        # a sliding window gives blocks back, and their keys with them, while the chain goes on)
+        self.block_keys: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -79,6 +85,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_table = list(self.block_table)
+        child.block_keys = list(self.block_keys)
         child.num_cached_tokens = self.num_cached_tokens
         child.arrival_time = self.arrival_time
         child.bad_words_ids = self.bad_words_ids
