@@ -402,17 +402,58 @@ def _partial_tag_len(text: str, tag: str) -> int:
 
 
 class HermesToolParser(ToolParser):
+    """``<tool_call>`` tags. As llama.cpp does for this format, a message that is only a call
+    object, bare or in a ```json fence (as small models often write it), is a call too."""
+
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    _FENCE = re.compile(r"```(?:json)?\s*")
 
     def __init__(self) -> None:
         super().__init__()
         self._buf = ""
         self._call: _Call | None = None
+        self._decided = False
+        self._bare: _Call | None = None
+        self._bare_start = 0
+        self._drop_fence = False
+
+    def _decide(self) -> None:
+        s = self._buf.lstrip(_WS)
+        lead = len(self._buf) - len(s)
+        if not s or (s.startswith("`") and ("```json".startswith(s) or self._FENCE.fullmatch(s))):
+            return  # undecided: nothing yet, or an unfinished fence
+        self._decided = True
+        fence = self._FENCE.match(s)
+        start = lead + (fence.end() if fence else 0)
+        if start < len(self._buf) and self._buf[start] == "{":
+            self._bare = _Call(0, ("arguments", "parameters"))
+            self._bare_start = start
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         out = ParsedDelta()
+        if not self._decided:
+            self._decide()
+            if not self._decided:
+                return out
+        if self._bare is not None:
+            deltas, scan = self._bare.update(self._buf, self._bare_start)
+            out.tool_calls.extend(deltas)
+            if scan.error or (scan.end is not None and self._bare.name is None):
+                self._bare = None  # a JSON answer, not a call: it is content
+            elif scan.end is None:
+                return out
+            else:
+                self._bare = None
+                self.num_calls += 1
+                self._buf = self._buf[scan.end :]
+                self._drop_fence = True
+        if self._drop_fence:
+            self._buf = self._buf.lstrip("`" + _WS)
+            if not self._buf:
+                return out
+            self._drop_fence = False
         while True:
             if self._call is None:
                 k = self._buf.find(self.OPEN)
@@ -445,15 +486,19 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
-        if self._call is not None:
-            call = self._call
-            if call.name is None:
-                self._call = None
+        if self._bare is not None:
+            if self._bare.name is None:
+                out.content += self._content(self._buf)
+            else:
+                self.num_calls += 1
+            self._bare = None
+        elif self._call is not None:
+            if self._call.name is None:
                 out.content += self._content(self.OPEN + self._buf)
             else:
-                self._call = None
                 self.num_calls += 1
-        else:
+            self._call = None
+        elif not self._drop_fence:
             out.content += self._content(self._buf)
         self._buf = ""
         out.content += self._flush_ws()
