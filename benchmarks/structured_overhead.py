@@ -42,8 +42,11 @@ def main() -> None:
     from tianxia.loader.hub import resolve_model
 
     llm = LLM(
-        str(resolve_model(args.model)), threads=args.threads, kv_cache_memory="256MiB",
-        enable_prefix_caching=False, seed=0,
+        str(resolve_model(args.model)),
+        threads=args.threads,
+        kv_cache_memory="256MiB",
+        enable_prefix_caching=False,
+        seed=0,
     )
     prompts = [f"List {n} numbers as JSON, item {i}:" for i, n in enumerate(range(10, 42, 2))]
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -61,9 +64,13 @@ def main() -> None:
 
     rate(1, free), rate(1, constrained)  # warm-up: grammar compilation, first-step allocations
     load = os.getloadavg()
-    print(f"# {datetime.date.today()}  {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {args.threads} threads, load average {load[0]:.2f} {load[1]:.2f}")
-    print(f"# {args.model}, {args.max_tokens} output tokens per sequence, median of {args.runs} runs")
+    print(
+        f"# {datetime.date.today()}  {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {args.threads} threads, load average {load[0]:.2f} {load[1]:.2f}"
+    )
+    print(
+        f"# {args.model}, {args.max_tokens} output tokens per sequence, median of {args.runs} runs"
+    )
     print("| batch | free tok/s | JSON schema tok/s | overhead |")
     print("|---:|---:|---:|---:|")
     for batch in [int(b) for b in args.batches.split(",")]:

@@ -68,7 +68,10 @@ HISTORY = [
             {
                 "id": "call_0",
                 "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "unit": "celsius"}',
+                },
             }
         ],
     },
@@ -81,8 +84,19 @@ HISTORY = [
 @pytest.fixture(scope="module")
 def server(qwen_path):
     srv = ServerProcess(
-        [str(qwen_path), "--served-model-name", MODEL, "--kv-cache-memory", "64MiB",
-         "--max-model-len", "1024", "--max-num-seqs", "4", "--seed", "0"]
+        [
+            str(qwen_path),
+            "--served-model-name",
+            MODEL,
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "4",
+            "--seed",
+            "0",
+        ]
     )
     srv.start()
     yield srv
@@ -96,8 +110,13 @@ def client(server) -> openai.OpenAI:
 
 def _chat(client, messages, stream=False, max_tokens=48, **kw):
     return client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens,
-        stream=stream, **kw,
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=stream,
+        **kw,
     )
 
 
@@ -135,7 +154,7 @@ def _check_valid(calls: list[dict]) -> None:
 
 
 def _same_calls(a: list[dict], b: list[dict]) -> bool:
-    key = lambda cs: [(c["name"], json.loads(c["arguments"])) for c in cs]  # noqa: E731
+    key = lambda cs: [(c["name"], json.loads(c["arguments"])) for c in cs]
     return key(a) == key(b)
 
 
@@ -168,9 +187,9 @@ def test_named_function_is_called(client):
 def _reference_calls(text: str) -> list[dict]:
     """Calls in the raw output, by the format the template asks for: ``<tool_call>`` tags, or a
     message that is one call object (bare or in a ```json fence)."""
-    bodies = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S)
+    bodies = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
     if not bodies:
-        m = re.fullmatch(r"\s*(?:```(?:json)?)?\s*(\{.*\})\s*(?:```)?\s*", text, re.S)
+        m = re.fullmatch(r"\s*(?:```(?:json)?)?\s*(\{.*\})\s*(?:```)?\s*", text, re.DOTALL)
         bodies = [m.group(1)] if m else []
     calls = []
     for body in bodies:
@@ -219,21 +238,59 @@ def test_auto_with_a_tool_result_in_the_conversation(client, server, qwen_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such"}}}]},
-         "not a valid JSON schema"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "no-such"}},
+                    }
+                ]
+            },
+            "not a valid JSON schema",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "not in tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in tools",
+        ),
         ({"tool_choice": "required"}, "only allowed when tools are given"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice must be"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "cannot be combined"),
-        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]},
-         "not valid JSON"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "invalid json"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "cannot be combined",
+        ),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{oops"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "not valid JSON",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+                    },
+                }
+            },
+            "invalid json",
+        ),
         ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "invalid regex"),
         ({"extra_body": {"guided_grammar": "root ::= undefined_rule"}}, "invalid grammar"),
     ],
@@ -283,20 +340,27 @@ def test_parsers_stream_exactly_the_arguments(fmt):
     rng = random.Random(fmt)
     for _ in range(200):
         calls = [
-            (f"fn_{rng.randint(0, 9)}", {f"p{j}": _random_value(rng) for j in range(rng.randint(0, 3))})
+            (
+                f"fn_{rng.randint(0, 9)}",
+                {f"p{j}": _random_value(rng) for j in range(rng.randint(0, 3))},
+            )
             for _ in range(rng.randint(1, 3))
         ]
         indent = rng.choice([None, 2])
         if fmt == "hermes":
             prose = rng.choice(["", "Let me check.\n"])
             text = prose + "\n".join(
-                "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, indent=indent) + "\n</tool_call>"
+                "<tool_call>\n"
+                + json.dumps({"name": n, "arguments": a}, indent=indent)
+                + "\n</tool_call>"
                 for n, a in calls
             )
             parser = HermesToolParser()
         elif fmt == "llama3_json":
             prose = ""
-            text = "; ".join(json.dumps({"name": n, "parameters": a}, indent=indent) for n, a in calls)
+            text = "; ".join(
+                json.dumps({"name": n, "parameters": a}, indent=indent) for n, a in calls
+            )
             parser = Llama3JsonToolParser()
         else:
             prose = ""
@@ -304,12 +368,20 @@ def test_parsers_stream_exactly_the_arguments(fmt):
             parser = RequiredToolParser()
         content, parsed = _feed(parser, text, rng)
         assert content == prose.strip()
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed] == calls
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed
+        ] == calls
         assert len({c["id"] for c in parsed}) == len(parsed)
 
 
 @pytest.mark.parametrize("parser", [HermesToolParser, Llama3JsonToolParser])
 def test_parsers_leave_plain_text_alone(parser):
     rng = random.Random(0)
-    for text in ["The answer is 42.", '{"answer": 42}', "```python\nprint(1)\n```", "a < b <tool", ""]:
+    for text in [
+        "The answer is 42.",
+        '{"answer": 42}',
+        "```python\nprint(1)\n```",
+        "a < b <tool",
+        "",
+    ]:
         assert _feed(parser(), text, rng) == (text, [])

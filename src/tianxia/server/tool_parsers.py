@@ -111,7 +111,8 @@ def _check_schema(schema: Any, param: str) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise ToolError(
-            f"{param} is not a valid JSON schema: {e.message}" + (f" (at {where})" if where else ""),
+            f"{param} is not a valid JSON schema: {e.message}"
+            + (f" (at {where})" if where else ""),
             param,
         ) from None
 
@@ -137,7 +138,9 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
                 f"{where}.function.name",
             )
         if name in seen:
-            raise ToolError(f"{where}.function.name {name!r} is defined twice", f"{where}.function.name")
+            raise ToolError(
+                f"{where}.function.name {name!r} is defined twice", f"{where}.function.name"
+            )
         seen.add(name)
         if fn.get("parameters") is not None:
             _check_schema(fn["parameters"], f"{where}.function.parameters")
@@ -145,7 +148,9 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return functions
 
 
-def parse_tool_choice(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolChoice | None:
+def parse_tool_choice(
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolChoice | None:
     """Validate a request's tool fields; None when it has no tools (or uses none of them)."""
     if not tools:
         if tool_choice is not None:
@@ -165,7 +170,9 @@ def parse_tool_choice(tools: Any, tool_choice: Any, parallel_tool_calls: bool | 
         if not isinstance(name, str):
             raise ToolError("tool_choice.function.name must be a string", "tool_choice")
         if name not in {f["name"] for f in functions}:
-            raise ToolError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+            raise ToolError(
+                f"tool_choice names function {name!r}, which is not in tools", "tool_choice"
+            )
         return ToolChoice("named", functions, name=name, parallel=parallel)
     raise ToolError(
         'tool_choice must be "none", "auto", "required" or '
@@ -194,7 +201,8 @@ def normalize_tool_messages(messages: list[dict[str, Any]]) -> None:
                     fn["arguments"] = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError as e:
                     raise ToolError(
-                        f"{where}.function.arguments is not valid JSON: {e}", f"{where}.function.arguments"
+                        f"{where}.function.arguments is not valid JSON: {e}",
+                        f"{where}.function.arguments",
                     ) from None
 
 
