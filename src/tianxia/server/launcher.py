@@ -105,6 +105,18 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         help="Jinja chat template (a file or the template itself) overriding the model's",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json"],
+        default="auto",
+        help="how tool calls are read from the output with tool_choice 'auto' (default: chosen "
+        "from the chat template: <tool_call> tags are hermes, JSON 'parameters' is llama3_json)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as in vLLM; tool_choice 'auto' is on whenever a tool-call parser is known",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -295,7 +307,9 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         cache_info,
     )
     async_engine.listener = metrics
-    serving = OpenAIServing(async_engine, names, metrics=metrics)
+    serving = OpenAIServing(
+        async_engine, names, metrics=metrics, tool_call_parser=args.tool_call_parser
+    )
     app = build_app(serving, metrics=metrics, api_key=api_key, root_path=args.root_path)
 
     config = uvicorn.Config(

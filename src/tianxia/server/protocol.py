@@ -87,17 +87,16 @@ class ChatMessage(_Base):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
-
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    # checked in ``server/tool_parsers.py``, so errors name the offending tool
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extras
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -131,4 +130,4 @@ class DetokenizeRequest(_Base):
     tokens: list[int]
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]

@@ -35,6 +35,17 @@ from tianxia.structured import StructuredOutputsParams
 from tianxia.sampling_params import SamplingParams
 from tianxia.server.errors import APIError, bad_request, from_value_error
 from tianxia.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tianxia.server.tool_parsers import (
+    PARSER_NAMES,
+    ToolChoice,
+    ToolError,
+    ToolParser,
+    detect_parser,
+    make_parser,
+    merge_tool_calls,
+    normalize_tool_messages,
+    parse_tool_choice,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +160,8 @@ class _Choice:
     text_offset: int = 0
     finished: bool = False
     started: bool = False
+    tools: ToolParser | None = None  # parses this choice's text into tool calls
+    called: bool = False  # a tool-call delta was sent
 
 
 @dataclass
@@ -162,6 +175,8 @@ class _Prepared:
     echo: bool
     include_usage: bool
     continuous_usage: bool
+    tools: ToolChoice | None = None
+    error_param: str = "prompt"  # the field named by an error raised when the request is added
 
 
 class OpenAIServing:
@@ -173,6 +188,7 @@ class OpenAIServing:
         chat_template: str | None = None,
         metrics: Any = None,
         retry_after_s: int = 1,
+        tool_call_parser: str | None = "auto",
     ) -> None:
         self.engine = engine
         self.llm = engine.engine
@@ -182,6 +198,14 @@ class OpenAIServing:
         self.max_model_len = self.llm.max_model_len
         self.vocab_size = self.llm.model_config.vocab_size
         self.chat_template = chat_template or self.llm.chat_template
+        if tool_call_parser == "auto":
+            tool_call_parser = detect_parser(self.chat_template)
+        elif tool_call_parser is not None and tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"unknown tool-call parser {tool_call_parser!r}; choose auto or one of "
+                + ", ".join(PARSER_NAMES)
+            )
+        self.tool_call_parser = tool_call_parser
         self.metrics = metrics
         self.retry_after_s = retry_after_s
         self.draining = False
@@ -362,7 +386,7 @@ class OpenAIServing:
             if isinstance(e, EngineDeadError):
                 raise APIError(503, str(e), code="engine_dead") from None
             if isinstance(e, (ValueError, TypeError)):
-                raise from_value_error(e, "prompt") from None
+                raise from_value_error(e, prep.error_param) from None
             raise
         return added
 
@@ -812,6 +836,10 @@ class OpenAIServing:
             elif content is None:
                 d["content"] = ""
             out.append(d)
+        try:
+            normalize_tool_messages(out)
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
         return out
 
     def render_chat(
@@ -856,13 +884,22 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return text, ids
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
-        if req.tool_choice not in (None, "none", "auto"):
+    def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
+        try:
+            choice = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param) from None
+        if choice is not None and choice.mode == "auto" and self.tool_call_parser is None:
             raise bad_request(
-                "tool_choice other than 'none' or 'auto' is not supported",
+                "tool_choice 'auto' needs a tool-call parser, and this model's chat template has no "
+                "known tool-call format; start the server with --tool-call-parser, or use "
+                "tool_choice 'required' or a named function",
                 param="tool_choice",
-                code="unsupported_parameter",
             )
+        return choice
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
+        tools = self._tool_choice(req)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request(
@@ -880,7 +917,8 @@ class OpenAIServing:
             continue_final_message=bool(req.continue_final_message),
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
-            tools=req.tools,
+            # with tool_choice "none" the model is not shown tools it may not call
+            tools=req.tools if tools is not None and tools.mode != "none" else None,
             add_special_tokens=bool(req.add_special_tokens),
         )
         self._check_prompt_len(len(ids), "messages")
@@ -892,6 +930,16 @@ class OpenAIServing:
         fields["max_tokens"] = self._max_tokens(requested, len(ids), param, "messages")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         fields["logprobs"] = num_logprobs
+        schema = tools.schema() if tools is not None else None
+        if schema is not None:
+            if fields["structured_outputs"] is not None:
+                raise bad_request(
+                    "a structured output constraint cannot be combined with tool_choice "
+                    "'required' or a named function",
+                    param="tool_choice",
+                )
+            # the call is decoded under its JSON schema, so it is always valid
+            fields["structured_outputs"] = StructuredOutputsParams(json=schema)
         opts = req.stream_options
         return _Prepared(
             [(text, ids)],
@@ -901,7 +949,38 @@ class OpenAIServing:
             False,
             bool(opts and opts.include_usage),
             bool(opts and opts.continuous_usage_stats),
+            tools=tools,
+            error_param="tools" if schema is not None else "prompt",
         )
+
+    def _tool_parser(self, prep: _Prepared) -> ToolParser | None:
+        return make_parser(prep.tools, self.tool_call_parser) if prep.tools is not None else None
+
+    @staticmethod
+    def _keep_calls(prep: _Prepared, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """With ``parallel_tool_calls=false`` only the first call is kept."""
+        if prep.tools is None or prep.tools.parallel:
+            return deltas
+        return [d for d in deltas if d["index"] == 0]
+
+    def _chat_message(self, prep: _Prepared, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant message of a full response, and whether it calls tools."""
+        parser = self._tool_parser(prep)
+        if parser is None:
+            return {"role": "assistant", "content": text}, False
+        parsed = parser.feed(text)
+        parsed.extend(parser.finish())
+        calls = merge_tool_calls(self._keep_calls(prep, parsed.tool_calls))
+        if prep.tools is not None and prep.tools.mode == "auto":
+            # as vLLM: a call the model wrote with broken JSON is no call; the text is returned
+            try:
+                for call in calls:
+                    json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError:
+                calls = []
+        if not calls:
+            return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, True
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
@@ -930,12 +1009,15 @@ class OpenAIServing:
                         c.token_ids, getattr(c, "logprobs", None), prep.num_logprobs
                     )
                 }
+            message, called = self._chat_message(prep, c.text)
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": "tool_calls"
+                    if called and c.finish_reason == "stop"
+                    else c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -997,10 +1079,21 @@ class OpenAIServing:
                         st = states.get(c.index)
                         if st is None:
                             st = states[c.index] = _Choice(self._hold(prep.params[0]))
+                            st.tools = self._tool_parser(prep)
                         if st.finished:
                             continue
                         finished = c.finish_reason is not None
                         delta, t0, t1 = self._advance(st, c.text, len(c.token_ids), finished)
+                        message: dict[str, Any] = {"content": delta} if delta else {}
+                        if st.tools is not None:
+                            parsed = st.tools.feed(delta)
+                            if finished:
+                                parsed.extend(st.tools.finish())
+                            calls = self._keep_calls(prep, parsed.tool_calls)
+                            st.called = st.called or bool(calls)
+                            message = {"content": parsed.content} if parsed.content else {}
+                            if calls:
+                                message["tool_calls"] = calls
                         logprobs = None
                         if prep.num_logprobs is not None and t1 > t0:
                             logprobs = {
@@ -1010,14 +1103,17 @@ class OpenAIServing:
                                     prep.num_logprobs,
                                 )
                             }
-                        if not delta and not finished and logprobs is None:
+                        if not message and not finished and logprobs is None:
                             continue
+                        finish_reason = c.finish_reason if finished else None
+                        if st.called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
                         choices.append(
                             {
                                 "index": c.index,
-                                "delta": {"content": delta} if delta else {},
+                                "delta": message,
                                 "logprobs": logprobs,
-                                "finish_reason": c.finish_reason if finished else None,
+                                "finish_reason": finish_reason,
                                 "stop_reason": c.stop_reason if finished else None,
                             }
                         )
