@@ -29,6 +29,8 @@ from tianxia.engine.async_engine import (
     EngineStepError,
     QueueFullError,
     RequestAbortedError,
+    RequestFailedError,
+    RequestTimeoutError,
 )
 from tianxia.outputs import RequestOutput
 from tianxia.structured import StructuredOutputsParams
@@ -127,8 +129,12 @@ class _ClientGone(Exception):
 
 def _engine_error(e: BaseException) -> APIError:
     """An error that ended a request after it was accepted."""
+    if isinstance(e, RequestTimeoutError):
+        return APIError(504, str(e), code="request_timeout")
     if isinstance(e, RequestAbortedError):
         return APIError(503, str(e), code="server_shutting_down")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
     return APIError(500, str(e))
 
 
