@@ -59,6 +59,7 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_shapes()
         self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -66,7 +67,7 @@ class SamplingParams:
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers ({e})") from None
         if isinstance(self.structured_outputs, dict):
             try:
@@ -74,6 +75,23 @@ class SamplingParams:
             except TypeError as e:
                 raise ValueError(f"structured_outputs: {e}") from None
         self._validate()
+
+    def _check_shapes(self) -> None:
+        """Containers of the wrong kind fail here, before they are iterated or converted."""
+        kinds: dict[str, tuple[type, ...]] = {
+            "stop": (str, list, tuple),
+            "stop_token_ids": (list, tuple),
+            "allowed_token_ids": (list, tuple),
+            "bad_words": (list, tuple),
+            "logit_bias": (dict,),
+            "structured_outputs": (dict, StructuredOutputsParams),
+        }
+        for name, allowed in kinds.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, allowed):
+                names = " or ".join("a list" if t in (list, tuple) else f"a {t.__name__}"
+                                    for t in allowed if t is not tuple)
+                raise ValueError(f"{name} must be {names}, got {type(value).__name__}")
 
     def _validate(self) -> None:
         def fail(name: str, rule: str, value: object) -> None:

@@ -296,7 +296,7 @@ def build_app(
         else:
             req = TokenizeCompletionRequest.model_validate(data)
             serving.check_model(req.model)
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = serving.encode(req.prompt, req.add_special_tokens, "prompt")
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse(
             {

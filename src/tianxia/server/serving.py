@@ -226,6 +226,14 @@ class OpenAIServing:
                 self._token_strs[token_id] = s
         return s
 
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of client text; text that is not valid Unicode (a lone surrogate escaped in
+        the JSON, which the tokenizer cannot take) is a 400."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, UnicodeError):
+            raise bad_request(f"{param} is not valid Unicode text", param=param) from None
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         for t in ids:
             if not 0 <= t < self.vocab_size:
@@ -566,7 +574,7 @@ class OpenAIServing:
         out = []
         for item in raw:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item, add_special_tokens=bool(req.add_special_tokens))
+                ids = self.encode(item, bool(req.add_special_tokens), "prompt")
                 text: str | None = item
             else:
                 ids = list(item)
@@ -859,8 +867,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() in templates, bad roles
             raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return text, ids
+        return text, self.encode(text, add_special_tokens, "messages")
 
     def prepare_chat(self, req: ChatCompletionRequest) -> _Prepared:
         if req.tool_choice not in (None, "none", "auto"):
