@@ -533,7 +533,9 @@ class AsyncLLMEngine:
         self._post(batch)
 
     def _fail_pending_commands(self) -> None:
-        err = EngineDeadError("the engine stopped")
+        err = EngineDeadError(
+            "the engine stopped" + (f" after a fault ({self._dead!r})" if self._dead else "")
+        )
         while True:
             try:
                 cmd = self._commands.get_nowait()

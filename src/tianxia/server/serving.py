@@ -135,6 +135,8 @@ def _engine_error(e: BaseException) -> APIError:
         return APIError(503, str(e), code="server_shutting_down")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="request_failed")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
     return APIError(500, str(e))
 
 
