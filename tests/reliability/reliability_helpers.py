@@ -11,6 +11,12 @@ FAULTS = {
     "detokenize": "@@detok-fault@@",
     "grammar": "@@grammar-fault@@",
 }
+SMALL_SLOTS, SMALL_WAITING, SMALL_TIMEOUT = 2, 4, 10
+SMALL_ARGS = [
+    "--api-key", API_KEY, "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+    "--max-num-seqs", str(SMALL_SLOTS), "--max-waiting-requests", str(SMALL_WAITING),
+    "--request-timeout", str(SMALL_TIMEOUT), "--seed", "0",
+]
 GUARDED_ARGS = [
     "--api-key", API_KEY, "--kv-cache-memory", "64MiB", "--max-model-len", "512",
     "--max-num-seqs", "16", "--max-waiting-requests", "512", "--request-timeout", "120",
