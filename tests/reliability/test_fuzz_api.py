@@ -61,12 +61,13 @@ def test_no_5xx_and_openai_errors_on_every_endpoint(api_schema, tiny, mode):
             nonlocal calls
             calls += 1
             resp = case.call(base_url=tiny.url, session=session, timeout=120)
-            check_response(resp, f"{op.label} {str(case.body)[:300]}")
+            check_response(resp, f"{case.operation.label} {str(case.body)[:300]}")
 
         try:
             run()
         except Unsatisfiable:
             # an operation without parameters or body has no way to be called wrongly
             assert mode is schemathesis.GenerationMode.NEGATIVE, op.label
+    print(f"schemathesis {mode.value}: {calls} requests over {len(operations)} operations")
     assert calls >= len(operations)
     assert httpx.get(tiny.url + "/health").status_code == 200

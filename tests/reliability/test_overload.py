@@ -1,5 +1,5 @@
-"""Overload and timeouts on a server with 2 sequence slots, 4 waiting places and a 10 s request
-timeout: a burst far above capacity gets 503 + Retry-After past the waiting limit while every
+"""Overload and timeouts on the ``small`` server (2 sequence slots, 4 waiting places, a 10 s
+request timeout): a burst far above capacity gets 503 + Retry-After past the waiting limit while every
 admitted request finishes; a request that runs past --request-timeout is aborted (504 or an error
 event), and its KV blocks are freed."""
 
@@ -11,8 +11,13 @@ import time
 
 import httpx
 from reliability_helpers import (
-    API_KEY, MODEL, SMALL_SLOTS as SLOTS, SMALL_TIMEOUT as TIMEOUT, SMALL_WAITING as WAITING,
-    assert_openai_error, auth_client,
+    API_KEY,
+    MODEL,
+    SMALL_SLOTS,
+    SMALL_TIMEOUT,
+    SMALL_WAITING,
+    assert_openai_error,
+    auth_client,
 )
 
 from tianxia.server.testing import metric
@@ -48,8 +53,8 @@ def test_burst_gets_bounded_queue_and_503(small):
     rejected = [r for r in responses if r.status_code == 503]
     assert len(ok) + len(rejected) == burst, [r.status_code for r in responses]
     # the burst lands before the first step: the waiting places fill, the rest is turned away
-    assert len(ok) >= WAITING and len(rejected) >= burst - SLOTS - WAITING - 4, (len(ok),
-                                                                              len(rejected))
+    assert len(ok) >= SMALL_WAITING, (len(ok), len(rejected))
+    assert len(rejected) >= burst - SMALL_SLOTS - SMALL_WAITING - 4, (len(ok), len(rejected))
     for r in ok:  # every admitted request finished in full
         assert r.json()["usage"]["completion_tokens"] == max_tokens
     for r in rejected:
@@ -71,8 +76,8 @@ def test_request_timeout_aborts_and_frees_kv(small):
         elapsed = time.monotonic() - t0
         assert r.status_code == 504, r.text
         err = assert_openai_error(r)
-        assert err["code"] == "request_timeout" and f"{TIMEOUT}s" in err["message"]
-        assert TIMEOUT - 0.5 <= elapsed < TIMEOUT + 20
+        assert err["code"] == "request_timeout" and f"{SMALL_TIMEOUT}s" in err["message"]
+        assert SMALL_TIMEOUT - 0.5 <= elapsed < SMALL_TIMEOUT + 20
         wait_idle(http, timeout=5)
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
             events = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
