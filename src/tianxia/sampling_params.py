@@ -15,6 +15,9 @@ _GREEDY_EPS = 1e-5
 MAX_N = 256
 MAX_LOGPROBS = 20
 MAX_STOP = 64
+# each generated token is checked against every stop string, and the longest one sets how much
+# streamed text is held back: both stay small
+MAX_STOP_LEN = 512
 
 
 @dataclass
@@ -56,6 +59,7 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_shapes()
         self._stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -63,7 +67,7 @@ class SamplingParams:
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers ({e})") from None
         if isinstance(self.structured_outputs, dict):
             try:
@@ -72,9 +76,29 @@ class SamplingParams:
                 raise ValueError(f"structured_outputs: {e}") from None
         self._validate()
 
+    def _check_shapes(self) -> None:
+        """Containers of the wrong kind fail here, before they are iterated or converted."""
+        kinds: dict[str, tuple[type, ...]] = {
+            "stop": (str, list, tuple),
+            "stop_token_ids": (list, tuple),
+            "allowed_token_ids": (list, tuple),
+            "bad_words": (list, tuple),
+            "logit_bias": (dict,),
+            "structured_outputs": (dict, StructuredOutputsParams),
+        }
+        for name, allowed in kinds.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, allowed):
+                names = " or ".join("a list" if t in (list, tuple) else f"a {t.__name__}"
+                                    for t in allowed if t is not tuple)
+                raise ValueError(f"{name} must be {names}, got {type(value).__name__}")
+
     def _validate(self) -> None:
         def fail(name: str, rule: str, value: object) -> None:
-            raise ValueError(f"{name} must be {rule}, got {value!r}")
+            shown = repr(value)
+            if len(shown) > 200:  # the message goes back to the client: do not echo megabytes
+                shown = shown[:200] + "..."
+            raise ValueError(f"{name} must be {rule}, got {shown}")
 
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -106,8 +130,11 @@ class SamplingParams:
             fail("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if len(self._stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self._stop):
-            fail("stop", f"a list of at most {MAX_STOP} non-empty strings", self.stop)
+        if len(self._stop) > MAX_STOP or any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN for s in self._stop
+        ):
+            fail("stop", f"a list of at most {MAX_STOP} non-empty strings of at most {MAX_STOP_LEN} "
+                 "characters", self.stop)
         if len(self.stop_token_ids) > MAX_STOP or any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", f"a list of at most {MAX_STOP} non-negative integers", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
@@ -122,8 +149,11 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids or any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
                 fail("allowed_token_ids", "a non-empty list of non-negative token ids", self.allowed_token_ids)
-        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
-            fail("bad_words", "a list of non-empty strings", self.bad_words)
+        if self.bad_words is not None and (len(self.bad_words) > MAX_STOP or any(
+            not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_LEN for w in self.bad_words
+        )):
+            fail("bad_words", f"a list of at most {MAX_STOP} non-empty strings of at most "
+                 f"{MAX_STOP_LEN} characters", self.bad_words)
         if not self.detokenize and (self._stop or self.bad_words):
             fail("detokenize", "True when stop strings or bad_words are used", self.detokenize)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tianxia.engine import faults
 from tianxia.engine.llm_engine import LLMEngine, PromptType
 from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
@@ -50,6 +52,14 @@ class QueueFullError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was ended by the server (see :meth:`AsyncLLMEngine.abort_all`)."""
+
+
+class RequestFailedError(EngineStepError):
+    """This request's own processing failed (NaN logits, detokenizer, grammar); others go on."""
+
+
+class RequestTimeoutError(RequestAbortedError):
+    """The request ran past ``request_timeout`` seconds and was aborted."""
 
 
 @dataclass
@@ -95,6 +105,7 @@ class StatsListener:
 class _Tracked:
     stats: RequestStats
     tokens: int = 0  # output tokens seen so far (all choices)
+    deadline: float = math.inf  # time.monotonic() past which the request is aborted
 
 
 @dataclass
@@ -109,6 +120,9 @@ class AsyncLLMEngine:
 
     ``max_waiting_requests`` bounds the requests that are queued but not yet scheduled; past it
     :meth:`add_request` raises :class:`QueueFullError` (the server turns it into a 503).
+    ``request_timeout`` (seconds from arrival) aborts a request that runs longer: its KV blocks are
+    freed and its consumer gets :class:`RequestTimeoutError`. ``on_dead`` is called (on the engine
+    thread) if the engine loop itself crashes, so that the process can exit and be restarted.
     """
 
     def __init__(
@@ -118,9 +132,13 @@ class AsyncLLMEngine:
         max_waiting_requests: int | None = None,
         stats_listener: StatsListener | None = None,
         log_stats_interval: float | None = 10.0,
+        request_timeout: float | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.request_timeout = request_timeout
+        self.on_dead = on_dead
         self.listener = stats_listener or StatsListener()
         self.log_stats_interval = log_stats_interval
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -328,6 +346,8 @@ class AsyncLLMEngine:
                 self._drain_commands()
                 if self._stopping:
                     break
+                if self.request_timeout is not None:
+                    self._expire(time.monotonic())
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
@@ -352,6 +372,31 @@ class AsyncLLMEngine:
             self._dead = e
         finally:
             self._fail_pending_commands()
+        if self._dead is not None and self.on_dead is not None:
+            self._notify(self.on_dead, self._dead)
+
+    def _expire(self, now: float) -> None:
+        expired = [rid for rid, t in self._tracked.items() if now >= t.deadline]
+        for rid in expired:
+            if rid in self.engine.requests:
+                self.engine.abort_request(rid)
+            self._finish_aborted(rid, now)
+        if expired:
+            logger.warning("%d request(s) ran past --request-timeout and were aborted", len(expired))
+            err = RequestTimeoutError(
+                f"the request did not finish within the server's request timeout "
+                f"({self.request_timeout:g}s) and was aborted"
+            )
+            self._publish_stats()
+            self._post([(rid, err) for rid in expired])
+
+    def _finish_aborted(self, rid: str, now: float) -> None:
+        tracked = self._tracked.pop(rid, None)
+        if tracked is not None:
+            tracked.stats.finished = now
+            tracked.stats.finish_reason = "abort"
+            tracked.stats.num_generation_tokens = tracked.tokens
+            self._notify(self.listener.on_request_done, tracked.stats)
 
     def _fail_all(self, exc: BaseException) -> None:
         err = EngineStepError(f"the engine failed while running this request: {exc!r}")
@@ -365,6 +410,7 @@ class AsyncLLMEngine:
 
     def _drain_commands(self) -> None:
         done: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
+        crash: BaseException | None = None
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -389,20 +435,18 @@ class AsyncLLMEngine:
                             num_prompt_tokens=n_prompt,
                             max_tokens=params.max_tokens,
                             n=getattr(params, "n", 1),
-                        )
+                        ),
+                        deadline=arrival + (self.request_timeout or math.inf),
                     )
                     done.append((fut, None, None))
+                    if faults.ACTIVE and seqs and faults.hits("engine_loop", seqs[0].prompt):
+                        crash = faults.InjectedFault("the engine loop failed (TIANXIA_FAULT_INJECT)")
             elif kind == "abort":
                 rid = cmd[1]
                 if rid in self.engine.requests:
                     self.engine.abort_request(rid)
                     logger.debug("aborted %s", rid)
-                tracked = self._tracked.pop(rid, None)
-                if tracked is not None:
-                    tracked.stats.finished = time.monotonic()
-                    tracked.stats.finish_reason = "abort"
-                    tracked.stats.num_generation_tokens = tracked.tokens
-                    self._notify(self.listener.on_request_done, tracked.stats)
+                self._finish_aborted(rid, time.monotonic())
             elif kind == "call":
                 _, fn, fut = cmd
                 if not fut.set_running_or_notify_cancel():
@@ -417,6 +461,8 @@ class AsyncLLMEngine:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+        if crash is not None:
+            raise crash
 
     def _notify(self, fn: Callable, *args) -> None:
         try:
@@ -454,8 +500,11 @@ class AsyncLLMEngine:
                     (now - t0) * 1000,
                 )
         batch: list[tuple[str, Any]] = []
+        failed = self.engine.failed
         for out in outputs:
-            batch.append((out.request_id, out))
+            error = failed.get(out.request_id)
+            item = out if error is None else RequestFailedError(f"the request failed: {error}")
+            batch.append((out.request_id, item))
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
@@ -484,7 +533,9 @@ class AsyncLLMEngine:
         self._post(batch)
 
     def _fail_pending_commands(self) -> None:
-        err = EngineDeadError("the engine stopped")
+        err = EngineDeadError(
+            "the engine stopped" + (f" after a fault ({self._dead!r})" if self._dead else "")
+        )
         while True:
             try:
                 cmd = self._commands.get_nowait()

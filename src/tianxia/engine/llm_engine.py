@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tianxia.config import EngineConfig
+from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
@@ -215,6 +216,7 @@ class LLMEngine:
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
+        self.failed: dict[str, str] = {}  # request id -> error, for the requests failed in the last step
         self._grammar_backend = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -308,7 +310,19 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
 
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """End every sequence of a request whose processing raised; the others run on."""
+        self.failed[request_id] = message
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "abort", message
+                self.scheduler.finish(seq)
+
     def step(self) -> list[RequestOutput]:
+        """One forward pass. A request that fails in it (NaN logits, a detokenizer or grammar
+        error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
+        :attr:`failed` until the next step."""
+        self.failed.clear()
         out = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for seq in out.rejected:
@@ -322,6 +336,8 @@ class LLMEngine:
         result = self.runner.execute(out.scheduled, out.copies, forks)
         now = time.monotonic()
         for seq, n in out.scheduled:
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             if seq.prompt_logprobs is not None and seq.seq_id in result.prompt_logprobs:
@@ -333,6 +349,13 @@ class LLMEngine:
             seq.num_computed_tokens += n
             for s in (seq, *forks.get(seq.seq_id, ())):
                 s.num_computed_tokens = seq.num_computed_tokens
+                if s.is_finished:
+                    continue
+                error = result.errors.get(s.seq_id)
+                if error is not None:
+                    self._fail_request(s.request_id, error)
+                    touched[s.request_id] = None
+                    continue
                 self.block_manager.cache_full_blocks(s)
                 self.block_manager.free_out_of_window(s)
                 token = result.tokens.get(s.seq_id)
@@ -342,11 +365,15 @@ class LLMEngine:
                     s.first_token_time = now
                 self.num_generation_tokens += 1
                 s.token_ids.append(token)
-                if s.logprobs is not None:
-                    lp = result.logprobs[s.seq_id]
-                    s.logprobs.append(self._logprob_dict(lp, token))
-                    s.cumulative_logprob += lp[2]
-                self._check_stop(s, token)
+                try:
+                    if s.logprobs is not None:
+                        lp = result.logprobs[s.seq_id]
+                        s.logprobs.append(self._logprob_dict(lp, token))
+                        s.cumulative_logprob += lp[2]
+                    self._check_stop(s, token)
+                except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
+                    logger.exception("request %s failed", s.request_id)
+                    self._fail_request(s.request_id, f"{type(e).__name__}: {e}")
                 touched[s.request_id] = None
         for children in forks.values():
             for child in children:
@@ -386,9 +413,13 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
+        if faults.ACTIVE and faults.hits("detokenize", seq.prompt):
+            raise faults.InjectedFault("the detokenizer failed (TIANXIA_FAULT_INJECT)")
         stop_str = seq.detok.append(token)
         grammar_done = False
         if seq.grammar is not None:
+            if faults.ACTIVE and faults.hits("grammar", seq.prompt):
+                raise faults.InjectedFault("the grammar matcher failed (TIANXIA_FAULT_INJECT)")
             if not seq.grammar.accept_token(token):
                 raise RuntimeError(f"token {token} violates the grammar of request {seq.request_id}")
             grammar_done = seq.grammar.is_terminated()

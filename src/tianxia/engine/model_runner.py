@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tianxia.config import CacheConfig, ModelConfig
+from tianxia.engine import faults
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.sampler import Sampler, SamplingBatch
@@ -29,6 +30,7 @@ class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it got no token
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -135,12 +137,29 @@ class ModelRunner:
             logits = graph_logits if same else graph_logits[torch.tensor(rows, device=self.device)]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self._drop_nan_rows(logits, seqs, result)
         out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
         for seq, token, lp in zip(seqs, out.tokens, out.logprobs):
+            if seq.seq_id in result.errors:
+                continue
             result.tokens[seq.seq_id] = token
             if lp is not None:
                 result.logprobs[seq.seq_id] = lp
         return result
+
+    @staticmethod
+    def _drop_nan_rows(logits: torch.Tensor, seqs: list[Sequence], result: StepResult) -> torch.Tensor:
+        """A row with NaN would sample garbage: its sequence gets an error instead of a token."""
+        if faults.ACTIVE:
+            for i, seq in enumerate(seqs):
+                if faults.hits("nan", seq.prompt):
+                    logits[i] = float("nan")
+        nan_rows = torch.isnan(logits).any(dim=-1)
+        if not bool(nan_rows.any()):
+            return logits
+        for i in nan_rows.nonzero().flatten().tolist():
+            result.errors[seqs[i].seq_id] = "the model produced NaN logits for this request"
+        return logits.masked_fill(nan_rows[:, None], 0.0)
 
     # --- CUDA ---------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
-"""The FastAPI application: OpenAI routes, vLLM's extra routes, API keys, metrics."""
+"""The FastAPI application: OpenAI routes, vLLM's extra routes, API keys, body limit, metrics."""
 
 from __future__ import annotations
 
+import hmac
 import json
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,14 +35,57 @@ _ENDPOINTS = {
 }
 
 
-class _APIKeyAndStats:
-    """Pure ASGI middleware (streams pass through untouched): checks ``Authorization: Bearer`` on
-    ``/v1/*`` when an API key is set, and counts answered requests by endpoint and status."""
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics | None) -> None:
+# routes that stay open when an API key is set (probes and version); /metrics is configurable
+_OPEN_PATHS = {"/health", "/version"}
+
+
+class _APIKeyAndStats:
+    """Pure ASGI middleware (streams pass through untouched): refuses request bodies over
+    ``max_body_bytes`` (413), checks ``Authorization: Bearer`` on every route but ``/health``,
+    ``/version`` (and ``/metrics`` unless ``metrics_require_auth``) when an API key is set, and
+    counts answered requests by endpoint and status."""
+
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        metrics: ServerMetrics | None,
+        max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        metrics_require_auth: bool = False,
+    ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_key = api_key.encode() if api_key is not None else None
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.open_paths = _OPEN_PATHS if metrics_require_auth else _OPEN_PATHS | {"/metrics"}
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"The request body is larger than this server's limit of {self.max_body_bytes} bytes "
+            "(--max-request-bytes).",
+            code="request_too_large",
+        )
+
+    async def _read_body(self, scope, receive, send) -> tuple[bytes, bool] | None:
+        """The whole body, or None once a 413 is sent (Content-Length or bytes over the limit)."""
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return None
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return bytes(body), True
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return None
+            if not message.get("more_body", False):
+                return bytes(body), False
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -70,7 +113,7 @@ class _APIKeyAndStats:
         try:
             if (
                 self.api_key is not None
-                and path.startswith("/v1")
+                and path not in self.open_paths
                 and scope.get("method") != "OPTIONS"
             ):
                 auth = ""
@@ -90,7 +133,7 @@ class _APIKeyAndStats:
                     )
                     await err.response()(scope, receive, send_with_status)
                     return
-                if not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                if not hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
                     err = APIError(
                         401,
                         "Incorrect API key provided.",
@@ -99,6 +142,26 @@ class _APIKeyAndStats:
                     )
                     await err.response()(scope, receive, send_with_status)
                     return
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                # read (and bound) the body here; the app then gets it in one piece, and its later
+                # receive() calls (disconnect detection) go to the client's stream
+                read = await self._read_body(scope, receive, send_with_status)
+                if read is None:
+                    return
+                body, disconnected = read
+                replayed = False
+
+                async def receive_replayed():
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return {"type": "http.request", "body": body, "more_body": False}
+                    if disconnected:
+                        return {"type": "http.disconnect"}
+                    return await receive()
+
+                await self.app(scope, receive_replayed, send_with_status)
+                return
             await self.app(scope, receive, send_with_status)
         finally:
             if self.metrics is not None and status_box:
@@ -107,12 +170,25 @@ class _APIKeyAndStats:
                 ).inc()
 
 
+def _json_body(*models: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its JSON itself (one of ``models``)."""
+    schemas = []
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)  # the referenced models are in the app's components already
+        schemas.append(schema)
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def build_app(
     serving: OpenAIServing,
     *,
     metrics: ServerMetrics,
     api_key: str | None = None,
     root_path: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_require_auth: bool = False,
 ) -> FastAPI:
     engine = serving.engine
 
@@ -130,7 +206,13 @@ def build_app(
     app.state.serving = serving
     app.state.metrics = metrics
     install_handlers(app)
-    app.add_middleware(_APIKeyAndStats, api_key=api_key, metrics=metrics)
+    app.add_middleware(
+        _APIKeyAndStats,
+        api_key=api_key,
+        metrics=metrics,
+        max_body_bytes=max_request_bytes,
+        metrics_require_auth=metrics_require_auth,
+    )
 
     def model_card(name: str) -> dict[str, Any]:
         return {
@@ -189,13 +271,13 @@ def build_app(
     async def json_object(raw: Request) -> dict[str, Any]:
         try:
             data = json.loads(await raw.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise bad_request("We could not parse the JSON body of your request.") from None
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
         return data
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(raw: Request) -> JSONResponse:
         data = await json_object(raw)
         tok = serving.tokenizer
@@ -214,7 +296,7 @@ def build_app(
         else:
             req = TokenizeCompletionRequest.model_validate(data)
             serving.check_model(req.model)
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = serving.encode(req.prompt, req.add_special_tokens, "prompt")
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse(
             {
@@ -225,7 +307,7 @@ def build_app(
             }
         )
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> JSONResponse:
         req = DetokenizeRequest.model_validate(await json_object(raw))
         serving.check_model(req.model)

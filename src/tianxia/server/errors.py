@@ -30,6 +30,12 @@ _TYPES = {
 }
 
 
+def _valid_unicode(text: str) -> str:
+    """Text that can be sent as UTF-8: messages may quote client input, and JSON lets a client
+    send lone surrogates (``"\\ud800"``) that no encoder accepts."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -43,8 +49,8 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = _valid_unicode(message)
+        self.param = _valid_unicode(param) if isinstance(param, str) else param
         self.code = code
         self.type = type or _TYPES.get(
             status, "invalid_request_error" if status < 500 else "server_error"

@@ -48,7 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $TIANXIA_API_KEY)",
+        help="require `Authorization: Bearer KEY` on every route but /health, /version and "
+        "/metrics (default: $TIANXIA_API_KEY)",
     )
     p.add_argument(
         "--max-model-len",
@@ -121,6 +122,23 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         type=int,
         default=None,
         help="past this many queued requests, answer 503 with Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="abort a request still running this many seconds after it arrived; the client "
+        "gets a 504 (default: no limit)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        default="4MiB",
+        help="largest request body accepted; larger ones get a 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-require-auth",
+        action="store_true",
+        help="with an API key, /metrics needs it too (default: /metrics is open)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -283,6 +301,11 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         raise ValueError("--max-waiting-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError("--request-timeout must be > 0")
+    max_request_bytes = parse_size(args.max_request_bytes)
+    if max_request_bytes < 1024:
+        raise ValueError("--max-request-bytes must be at least 1KiB")
 
     import prometheus_client
 
@@ -293,6 +316,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         engine,
         max_waiting_requests=args.max_waiting_requests,
         log_stats_interval=None if args.disable_log_stats else 10.0,
+        request_timeout=args.request_timeout,
+        on_dead=lambda exc: on_engine_dead(exc),
     )
     cache_info = {
         "block_size": str(engine.config.cache.block_size),
@@ -310,7 +335,14 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     serving = OpenAIServing(
         async_engine, names, metrics=metrics, tool_call_parser=args.tool_call_parser
     )
-    app = build_app(serving, metrics=metrics, api_key=api_key, root_path=args.root_path)
+    app = build_app(
+        serving,
+        metrics=metrics,
+        api_key=api_key,
+        root_path=args.root_path,
+        max_request_bytes=max_request_bytes,
+        metrics_require_auth=args.metrics_require_auth,
+    )
 
     config = uvicorn.Config(
         app,
@@ -346,6 +378,15 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         if n:
             logger.warning("shutdown timeout: aborted %d request(s) still running", n)
 
+    engine_died: list[BaseException] = []
+
+    def on_engine_dead(exc: BaseException) -> None:
+        # a dead engine cannot recover in-process: exit non-zero so that a supervisor restarts us
+        # (meanwhile /health answers 503 and requests in flight got an error)
+        engine_died.append(exc)
+        logger.error("the engine loop died (%r); exiting with status 1", exc)
+        server.should_exit = True
+
     server.on_signal = on_signal
     logger.info(
         "serving %s as %s on http://%s:%d (max_model_len=%d)%s",
@@ -357,6 +398,6 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         ", API key required" if api_key else "",
     )
     server.run()
-    if server.started is False and not server.should_exit:
+    if engine_died or (server.started is False and not server.should_exit):
         return 1
     return 0

@@ -29,6 +29,8 @@ from tianxia.engine.async_engine import (
     EngineStepError,
     QueueFullError,
     RequestAbortedError,
+    RequestFailedError,
+    RequestTimeoutError,
 )
 from tianxia.outputs import RequestOutput
 from tianxia.structured import StructuredOutputsParams
@@ -138,8 +140,14 @@ class _ClientGone(Exception):
 
 def _engine_error(e: BaseException) -> APIError:
     """An error that ended a request after it was accepted."""
+    if isinstance(e, RequestTimeoutError):
+        return APIError(504, str(e), code="request_timeout")
     if isinstance(e, RequestAbortedError):
         return APIError(503, str(e), code="server_shutting_down")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
     return APIError(500, str(e))
 
 
@@ -243,6 +251,14 @@ class OpenAIServing:
             if len(self._token_strs) < 200_000:
                 self._token_strs[token_id] = s
         return s
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of client text; text that is not valid Unicode (a lone surrogate escaped in
+        the JSON, which the tokenizer cannot take) is a 400."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, UnicodeError):
+            raise bad_request(f"{param} is not valid Unicode text", param=param) from None
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         for t in ids:
@@ -584,7 +600,7 @@ class OpenAIServing:
         out = []
         for item in raw:
             if isinstance(item, str):
-                ids = self.tokenizer.encode(item, add_special_tokens=bool(req.add_special_tokens))
+                ids = self.encode(item, bool(req.add_special_tokens), "prompt")
                 text: str | None = item
             else:
                 ids = list(item)
@@ -881,8 +897,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() in templates, bad roles
             raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return text, ids
+        return text, self.encode(text, add_special_tokens, "messages")
 
     def _tool_choice(self, req: ChatCompletionRequest) -> ToolChoice | None:
         try:
