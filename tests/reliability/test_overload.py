@@ -28,7 +28,8 @@ def wait_idle(http: httpx.Client, timeout: float = 30) -> None:
     while True:
         text = http.get("/metrics").text
         if (metric(text, "vllm:kv_cache_usage_perc", model_name=MODEL),
-                metric(text, "vllm:num_requests_running", model_name=MODEL)) == (0.0, 0.0):
+                metric(text, "vllm:num_requests_running", model_name=MODEL),
+                metric(text, "vllm:num_requests_waiting", model_name=MODEL)) == (0.0, 0.0, 0.0):
             return
         assert time.monotonic() < deadline, "the server did not return to idle"
         time.sleep(0.1)
@@ -46,6 +47,8 @@ def test_burst_gets_bounded_queue_and_503(small):
                                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
             return await asyncio.gather(*(one(c, i) for i in range(burst)))
 
+    with auth_client(small.url) as http:
+        wait_idle(http)  # requests left by earlier tests would take waiting places
     t0 = time.monotonic()
     responses = asyncio.run(run())
     elapsed = time.monotonic() - t0
