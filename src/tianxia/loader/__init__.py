@@ -95,6 +95,8 @@ def load_model(
     tokenizer = load_tokenizer(path, is_gguf=gguf_file is not None)
     template = gguf_file.chat_template() if gguf_file is not None else None
     template = template or getattr(tokenizer, "chat_template", None)
+    del weights, gguf_file
+    release_freed_memory()
     logger.info("loaded %s (%s) in %.1fs; weights %s", path, config.architecture,
                 time.perf_counter() - t0, describe_weights(model))
     return LoadedModel(model, config, tokenizer, path, template)
@@ -128,3 +130,17 @@ def describe_weights(model: nn.Module) -> str:
             key = str(t.dtype).removeprefix("torch.")
             kinds[key] = kinds.get(key, 0) + t.numel() * t.element_size()
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def release_freed_memory() -> None:
+    """Give memory freed during loading back to the OS: the GGUF mapping and its parsed metadata,
+    float32 staging tensors. glibc keeps freed heap pages otherwise, and they would stay in the
+    resident set for the life of the process."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
