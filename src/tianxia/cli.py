@@ -12,6 +12,7 @@ import sys
 import time
 
 from tianxia import __version__
+from tianxia.config import add_quantization_args
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -21,10 +22,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="pulled model name, .gguf path or Hugging Face directory (default: %(default)s)")
     p.add_argument("-c", "--ctx-size", "--max-model-len", dest="max_model_len", type=int, default=None,
                    help="context length (default: the model's, capped by the KV cache)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: the physical cores)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 2GiB")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    add_quantization_args(p)
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
@@ -45,6 +48,8 @@ def _make_llm(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         threads=args.threads,
         chat_template=args.chat_template,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

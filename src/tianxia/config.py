@@ -82,6 +82,34 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    quantization: str = "auto"  # see QUANTIZATION_METHODS
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+
+    def __post_init__(self) -> None:
+        check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+
+
+# --quantization: what happens to the weights at load. Adding a method is one entry here plus its
+# handling in the loader (``tianxia.loader.load_model``).
+QUANTIZATION_METHODS: dict[str, str] = {
+    "auto": "GGUF blocks stay packed on CPU (dequantized on GPU); float weights stay float",
+    "none": "every weight dequantized to the model dtype",
+    "q8_0": "float matrices quantized as llama.cpp's Q8_0 (int8, groups of 32, one scale)",
+    "q4_0": "float matrices quantized as llama.cpp's Q4_0 (4-bit, groups of 32, one scale)",
+    "int8": "float matrices quantized to int8, one scale per output channel",
+    "int4": "float matrices quantized to 4 bits, groups of 32 with a scale and a min",
+}
+# --kv-cache-dtype: the KV cache's element type; "auto" is the model dtype
+KV_CACHE_DTYPES: dict[str, str] = {
+    "auto": "the model dtype", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+}
+
+
+def check_choice(option: str, value: str, choices: dict[str, str]) -> None:
+    if value not in choices:
+        flag = "--" + option.replace("_", "-")
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
@@ -98,3 +126,15 @@ def parse_size(text: str | int) -> int:
     base = 1024 if (binary or unit) else 1
     power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit]
     return int(number * base**power)
+
+
+def add_quantization_args(parser) -> None:
+    """``--quantization`` and ``--kv-cache-dtype`` for every command that loads a model."""
+    parser.add_argument(
+        "--quantization", "-q", default="auto", choices=list(QUANTIZATION_METHODS),
+        help="weights at load: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZATION_METHODS.items()),
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type (default: auto, the model dtype)",
+    )

@@ -42,6 +42,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         threads: int | None = None,
         chat_template: str | None = None,
+        quantization: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -50,6 +52,8 @@ class LLM:
             threads=threads,
             seed=seed,
             chat_template=chat_template,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +49,31 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    """Physical cores this process may run on: one thread per core is fastest for the matmuls
+    (a hyper-thread sibling shares the core's vector units and only adds contention)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+            cores.add(siblings.strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    table = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return model_dtype if kv_cache_dtype == "auto" else table[kv_cache_dtype]
 
 
 # --- GPU memory planning ----------------------------------------------------------------------------
@@ -175,7 +200,9 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
         backend = get_backend(self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
+                            quantization=config.quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = config.chat_template or loaded.chat_template
@@ -187,8 +214,9 @@ class LLMEngine:
 
         cache_config = config.cache
         if self.device.type == "cuda" and cache_config.gpu_memory_utilization is not None:
-            cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.dtype)
-        self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.dtype, config.seed)
+            cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.kv_dtype)
+        self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.kv_dtype,
+                                  config.seed)
         self.runner.eos_ids = self.eos_ids
         sched = config.scheduler
         window = attention_window(loaded.model)
@@ -224,9 +252,12 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
             "max concurrency at max_model_len=%d: %.1f",
             self.runner.num_blocks, config.cache.block_size, capacity,
-            self.runner.kv_cache_bytes / 2**30, kv_bytes_per_token(loaded.config, self.dtype),
+            self.runner.kv_cache_bytes / 2**30, kv_bytes_per_token(loaded.config, self.kv_dtype),
             max_len, capacity / longest,
         )
+        if self.device.type == "cpu":
+            logger.info("CPU: %d threads; resident memory after load %.1f MiB (weights and KV cache)",
+                        torch.get_num_threads(), rss_bytes() / 2**20)
 
     # --- requests -----------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tianxia.quant.cpu_kernels import fused_ops
+
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation, written out as Hugging Face's ``NewGELUActivation`` does."""
@@ -36,6 +38,10 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input is ``[gate | up]`` along the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the fused op's scalar exp pays off for a few rows (decode), not for a prefill chunk
+        ext = fused_ops(x) if x.dim() == 2 and x.shape[0] <= 16 else None
+        if ext is not None:
+            return ext.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tianxia.quant.cpu_kernels import fused_ops
+
+_NONE = torch.empty(0)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -17,6 +21,10 @@ class RMSNorm(nn.Module):
 
         Fusing the residual add here keeps one pass over the hidden state per sub-layer.
         """
+        ext = fused_ops(x)
+        if ext is not None:
+            out, total = ext.rms_norm(x, _NONE if residual is None else residual, self.weight, self.eps, 0.0)
+            return out if residual is None else (out, total)
         if residual is not None:
             x = x + residual
             residual = x
@@ -39,6 +47,10 @@ class GemmaRMSNorm(RMSNorm):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ext = fused_ops(x)
+        if ext is not None:
+            out, total = ext.rms_norm(x, _NONE if residual is None else residual, self.weight, self.eps, 1.0)
+            return out if residual is None else (out, total)
         if residual is not None:
             x = x + residual
             residual = x

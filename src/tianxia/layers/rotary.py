@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tianxia.quant.cpu_kernels import fused_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -152,6 +154,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hk, D] in float32, returning their dtype."""
+        ext = fused_ops(q) if self.rope_type != "dynamic" and k.dtype == torch.float32 else None
+        if ext is not None and ext.rope(q, k, positions, self.cos_sin, self.interleaved):
+            return q, k  # rotated in place
         cos, sin = self._cos_sin(positions).chunk(2, dim=-1)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)

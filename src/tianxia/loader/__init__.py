@@ -52,23 +52,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: AttentionBackend,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Build the model on the ``meta`` device, then materialize it and copy each weight in once."""
+    """Build the model on the ``meta`` device, then materialize it and copy each weight in once.
+
+    On CPU, for models that take packed weights, GGUF block-quantized matrices stay packed
+    (``quantization="auto"``) and float matrices can be quantized as they stream in (``q8_0``,
+    ``q4_0``, ``int8``, ``int4``); ``"none"`` dequantizes everything.
+    """
     from tianxia.loader import safetensors as st
     from tianxia.loader.tokenizer import load_tokenizer
     from tianxia.models.registry import get_model_class
 
     t0 = time.perf_counter()
     path, gguf_file = _open(spec)
+    config = gguf_file.model_config() if gguf_file is not None else st.hf_model_config(path)
+    model_class = get_model_class(config)
+    packed = device.type == "cpu" and quantization != "none" and getattr(model_class, "packed_weights", False)
+    if quantization not in ("auto", "none") and not packed:
+        where = "on CPU" if device.type != "cpu" else f"for {config.architecture} models"
+        raise ValueError(f"--quantization {quantization} is not available {where}; use auto or none")
     if gguf_file is not None:
-        config = gguf_file.model_config()
-        weights = gguf_file.hf_weights(config)
+        weights = gguf_file.hf_weights(config, packed=packed)
     else:
-        config = st.hf_model_config(path)
         weights = st.hf_weights(path)
+    if quantization not in ("auto", "none"):
+        weights = quantize_weights(weights, quantization)
 
     with torch.device("meta"):
-        model = get_model_class(config)(config, backend)
+        model = model_class(config, backend)
     model.to_empty(device=device)
     model.to(dtype)
     missing = model.load_weights(weights)
@@ -83,5 +95,52 @@ def load_model(
     tokenizer = load_tokenizer(path, is_gguf=gguf_file is not None)
     template = gguf_file.chat_template() if gguf_file is not None else None
     template = template or getattr(tokenizer, "chat_template", None)
-    logger.info("loaded %s (%s) in %.1fs", path, config.architecture, time.perf_counter() - t0)
+    del weights, gguf_file
+    release_freed_memory()
+    logger.info("loaded %s (%s) in %.1fs; weights %s", path, config.architecture,
+                time.perf_counter() - t0, describe_weights(model))
     return LoadedModel(model, config, tokenizer, path, template)
+
+
+def quantize_weights(weights, method: str):
+    """Quantize each float matrix of a weight stream as it passes (norms and 1-D tensors, and
+    matrices whose rows do not split into the method's groups, stay float)."""
+    from tianxia.quant.packed import quantize_float
+
+    group = 16 if method == "int8" else 32
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] % group == 0 \
+                and name.endswith(".weight") and "norm" not in name:
+            tensor = quantize_float(tensor, method)
+        yield name, tensor
+
+
+def describe_weights(model: nn.Module) -> str:
+    """Bytes held by the weights, per storage kind (e.g. ``Q4_1 70.1 MiB, float32 0.3 MiB``)."""
+    from tianxia.layers.linear import _Packed
+
+    kinds: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, _Packed):
+            kinds[module.source] = kinds.get(module.source, 0) + module.packed.nbytes
+            seen.update(id(t) for t in (module.qs, module.scales, module.mins))
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in seen:
+            key = str(t.dtype).removeprefix("torch.")
+            kinds[key] = kinds.get(key, 0) + t.numel() * t.element_size()
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
+def release_freed_memory() -> None:
+    """Give memory freed during loading back to the OS: the GGUF mapping and its parsed metadata,
+    float32 staging tensors. glibc keeps freed heap pages otherwise, and they would stay in the
+    resident set for the life of the process."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -18,6 +18,7 @@ import torch
 
 from tianxia.config import ModelConfig
 from tianxia.loader.errors import ModelLoadError
+from tianxia.quant.packed import PackedWeight
 
 # GGUF tensor names (llama.cpp's, as gguf-py's TensorNameMap writes them) <-> Hugging Face names,
 # per architecture. Block entries map the part between "blk.N." and ".weight"/".bias".
@@ -331,19 +332,45 @@ class GGUFFile:
                 f"decoded: {e}"
             ) from e
 
-    def hf_weights(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, float32 tensor)`` for every tensor the model uses, in HF layout."""
+    def read_packed(self, name: str) -> PackedWeight | None:
+        """The matrix ``name`` repacked for the CPU kernels, or None if its type has no packed form."""
+        from tianxia.quant.packed import PACKABLE_TYPES, from_gguf
+
+        t = self.tensors[name]
+        if len(t.shape) != 2 or t.tensor_type not in PACKABLE_TYPES:
+            return None
+        shape = (int(t.shape[1]), int(t.shape[0]))
+        try:
+            return from_gguf(np.asarray(t.data), t.tensor_type, shape)
+        except Exception as e:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}) cannot be "
+                f"decoded: {e}"
+            ) from e
+
+    def hf_weights(
+        self, config: ModelConfig, packed: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        """Yield ``(hf_name, tensor)`` for every tensor the model uses, in HF layout: float32, or
+        with ``packed`` a :class:`PackedWeight` for each block-quantized matrix (one tensor at a
+        time, so the float32 model never exists in memory)."""
         arch, two_ln = self.architecture, self.two_ln
         for name in self.tensors:
             hf_name = gguf_to_hf_name(name, arch, two_ln)
             if hf_name is None:
                 continue
-            tensor = self.read_tensor(name)
+            tensor = self.read_packed(name) if packed else None
+            if tensor is None:
+                tensor = self.read_tensor(name)
             if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
                 heads = config.num_attention_heads
                 if ".k_proj." in hf_name:
                     heads = config.num_key_value_heads
-                tensor = unpermute_rope_rows(tensor, heads)
+                if isinstance(tensor, torch.Tensor):
+                    tensor = unpermute_rope_rows(tensor, heads)
+                else:
+                    rows = torch.arange(tensor.shape[0])[:, None]
+                    tensor = tensor.select_rows(unpermute_rope_rows(rows, heads)[:, 0])
             elif arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
                 tensor = tensor - 1  # llama.cpp stores Gemma's 1 + w (as transformers undoes it)
             elif arch == "gpt2" and hf_name.endswith(".weight") and any(c in hf_name for c in GPT2_CONV1D):

@@ -34,8 +34,10 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
+from tianxia.quant.packed import PackedWeight, concat_rows
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,8 @@ _LAYER_MODULE = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)(\..+)$")
 
 
 class LlamaForCausalLM(nn.Module):
+    packed_weights = True  # load_weights takes PackedWeight matrices (CPU kernels)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -230,8 +234,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight).float()
+        embed = self.model.embed_tokens
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        elif isinstance(embed, QuantizedEmbedding):
+            logits = embed.linear(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, embed.weight).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -257,6 +266,27 @@ class LlamaForCausalLM(nn.Module):
                 return m.group(1) + self.family.renames[m.group(2)] + m.group(3)
         return name
 
+    def _install(self, target: str, parts: list[torch.Tensor | PackedWeight], param: nn.Parameter) -> None:
+        """Put a (possibly fused) weight whose parts arrived packed into its module."""
+        module_name = target.rsplit(".", 1)[0]
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = self.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if not all(isinstance(p, PackedWeight) for p in parts):
+            # a fused module with float and packed parts: it stays float
+            rows = torch.cat([p.dequantize() if isinstance(p, PackedWeight) else p for p in parts])
+            param.data.copy_(rows)
+            return
+        packed = parts[0] if len(parts) == 1 else concat_rows(parts)
+        if packed.shape != tuple(param.shape):
+            raise ValueError(f"tensor {target!r} has shape {packed.shape}, expected {tuple(param.shape)}")
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, QuantizedEmbedding(packed))
+        else:
+            new = QuantizedLinear(packed)
+            new.bias = old.bias  # the same parameter object, so a bias loaded later still lands
+            setattr(parent, attr, new)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors (HF names) into the parameters.
 
@@ -265,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         filled: dict[str, set[int | None]] = {name: set() for name in params}
+        pending: dict[str, dict[int | None, torch.Tensor | PackedWeight]] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -279,6 +310,19 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 continue  # tensors the model does not use (e.g. extra metadata tensors)
+            if isinstance(tensor, PackedWeight) and filled[target] and target not in pending:
+                tensor = tensor.dequantize()  # float siblings already copied: this one joins them
+            if isinstance(tensor, PackedWeight) or target in pending:
+                # a packed matrix (or a shard of a fused one) waits for its siblings, then
+                # replaces the float module
+                pending.setdefault(target, {})[shard] = tensor
+                shards = pending[target]
+                needed = {None} if shard is None else {i for f, i in _STACKED.values() if f in target}
+                if set(shards) == needed:
+                    self._install(target, [shards[i] for i in sorted(needed, key=lambda i: i or 0)], param)
+                    del pending[target]
+                filled[target].add(shard)
+                continue
             dst = param.data if rows is None else param.data[rows]
             if dst.shape != tensor.shape:
                 raise ValueError(
@@ -288,6 +332,8 @@ class LlamaForCausalLM(nn.Module):
             filled[target].add(shard)
         missing = []
         for name, shards in filled.items():
+            if name in pending:
+                continue  # reported below as its missing shards
             if None in shards:
                 continue
             fused = next((f for f, _ in _STACKED.values() if f in name), None)

@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, add_quantization_args, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU intra-op threads (default: the physical cores)")
+    add_quantization_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -241,6 +243,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             max_model_len=args.max_model_len or 0,
         ),
         enforce_eager=getattr(args, "enforce_eager", False),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from tianxia.quant.cpu_kernels import fused_ops
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -57,7 +58,12 @@ class TorchAttention(AttentionBackend):
         window = sliding_window
 
         nd = meta.num_decodes
-        if nd:
+        ext = fused_ops(k_cache) if nd else None
+        if ext is not None:
+            # all decodes in one call that reads K/V straight from their blocks
+            out[:nd] = ext.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                        meta.seq_lens_tensor[:nd], scale, window or 0, softcap or 0.0)
+        elif nd:
             max_len = max(meta.seq_lens[:nd])
             nb = (max_len + bs - 1) // bs
             # with a window, blocks wholly before every decode's window are not read at all

@@ -1,0 +1,265 @@
+"""tianxia's CPU path against llama.cpp (llama-cpp-python), same GGUF file, same threads, one run.
+
+    PYTHONPATH=$PWD/src:/work/llamacpp/llama_cpp_python-0.3.36:/work/llamacpp/pydeps \\
+    LLAMA_CPP_LIB_PATH=/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin \\
+    python benchmarks/cpu_vs_llamacpp.py --threads 2 --runs 5      # -> benchmarks/results/cpu/<date>/
+
+Each engine runs in its own process (so resident memory is its own), one after the other:
+
+- prompt processing: a 128-token prompt, no prefix cache, one forward pass -> tokens/s;
+- generation: a short prompt, then greedy tokens one at a time; tokens/s = 64 / (time of 65
+  tokens - time of 1), so the prompt is not counted;
+- memory: resident set after load, against the GGUF size plus the KV cache of the context
+  (``--ctx``); the Python process itself (torch, tokenizers) is reported as the base;
+- greedy agreement: 20 prompts x 32 tokens, fed as the same token ids, from tianxia (packed
+  weights), llama.cpp and transformers (float32, ``gguf_file=``); per pair, prompts whose 32
+  tokens are all equal and the mean length of the common prefix.
+
+Medians over ``--runs``. Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+MODELS = {
+    "SmolLM2-135M Q4_1": "~/.cache/tianxia/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "Qwen2.5-Coder-0.5B (Q5_0/Q4_K/Q6_K/Q8_0)":
+        "~/.cache/tianxia/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf",
+}
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+    "List three primary colors:", "The theory of relativity was developed by",
+    "Water boils at", "import numpy as np\n\ndef mean(xs):\n", "The largest planet in the solar system is",
+    "Translate to French: good morning", "A haiku about the sea:\n", "SELECT name FROM users WHERE",
+    "The three laws of motion are", "class Stack:\n    def __init__(self):\n", "My favourite book is",
+    "To make a cup of tea, first", "The opposite of hot is", "for i in range(10):\n",
+    "Photosynthesis is the process", "The year 1969 is remembered for", "Q: What is 7 times 8?\nA:",
+]
+GEN_TOKENS, PROMPT_TOKENS, AGREE_TOKENS = 64, 128, 32
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
+    text = " ".join(PROMPTS) * 4
+    long = tokenizer.encode(text)[:PROMPT_TOKENS]
+    assert len(long) == PROMPT_TOKENS
+    return long, tokenizer.encode("Tell me a story about a dragon."), [tokenizer.encode(p) for p in PROMPTS]
+
+
+def worker_tianxia(model: str, threads: int, runs: int, ctx: int) -> dict:
+    import torch
+
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine.model_runner import kv_bytes_per_token
+
+    base = rss()
+    t0 = time.perf_counter()
+    llm = LLM(model, threads=threads, num_kv_blocks=ctx // 16, max_model_len=ctx, enable_prefix_caching=False)
+    load_s = time.perf_counter() - t0
+    loaded = rss()
+    long, short, agree = prompt_ids(llm.get_tokenizer())
+
+    def timed(ids, n):
+        t = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t
+
+    timed(long, 1), timed(short, 8)  # warm-up
+    pp = [PROMPT_TOKENS / timed(long, 1) for _ in range(runs)]
+    tg = []
+    for _ in range(runs):
+        one = timed(short, 1)
+        tg.append(GEN_TOKENS / max(1e-9, timed(short, GEN_TOKENS + 1) - one))
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in agree],
+                        SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True), use_tqdm=False)
+    cfg = llm.engine.model_config
+    return {
+        "pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
+        "kv_bytes": kv_bytes_per_token(cfg, llm.engine.kv_dtype) * ctx, "threads": torch.get_num_threads(),
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def worker_llamacpp(model: str, threads: int, runs: int, ctx: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    from tianxia.loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(Path(model), is_gguf=True)
+    long, short, agree = prompt_ids(tok)
+    base = rss()
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                          verbose=False)
+    load_s = time.perf_counter() - t0
+    loaded = rss()
+
+    vocab = llm.n_vocab()
+
+    def greedy(ids, n):
+        llm.reset()
+        llm.eval(ids)
+        out = []
+        for i in range(n):
+            # the last position's logits (llama-cpp-python keeps no scores without logits_all)
+            token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+            out.append(token)
+            if i + 1 < n:
+                llm.eval([token])
+        return out
+
+    def timed(ids, n):
+        t = time.perf_counter()
+        greedy(ids, n)
+        return time.perf_counter() - t
+
+    timed(long, 1), timed(short, 8)
+    pp = [PROMPT_TOKENS / timed(long, 1) for _ in range(runs)]
+    tg = []
+    for _ in range(runs):
+        one = timed(short, 1)
+        tg.append(GEN_TOKENS / max(1e-9, timed(short, GEN_TOKENS + 1) - one))
+    return {"pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
+            "tokens": [greedy(ids, AGREE_TOKENS) for ids in agree],
+            "version": getattr(llama_cpp, "__version__", "?")}
+
+
+def worker_transformers(model: str, threads: int, runs: int, ctx: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tianxia.loader.tokenizer import load_tokenizer
+
+    torch.set_num_threads(threads)
+    path = Path(model)
+    _, _, agree = prompt_ids(load_tokenizer(path, is_gguf=True))
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokens = []
+    with torch.no_grad():
+        for ids in agree:
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=AGREE_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            tokens.append(out[0, len(ids):].tolist())
+    return {"tokens": tokens}
+
+
+def run_worker(engine: str, model: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", engine, "--model", model, "--threads", str(args.threads),
+           "--runs", str(args.runs), "--ctx", str(args.ctx)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    exact = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefix.append(n)
+    return f"{exact}/{len(a)} exact, common prefix {statistics.mean(prefix):.1f}/{AGREE_TOKENS}"
+
+
+def kv_bytes_f16(model: str, ctx: int) -> int:
+    from tianxia.loader.gguf import GGUFFile
+
+    c = GGUFFile(model).model_config()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ctx", type=int, default=1024, help="context (KV cache) size of both engines")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated keys of MODELS")
+    ap.add_argument("--no-agreement", action="store_true", help="skip the transformers reference")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", choices=["tianxia", "llamacpp", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        fn = {"tianxia": worker_tianxia, "llamacpp": worker_llamacpp, "transformers": worker_transformers}
+        print(json.dumps(fn[args.worker](args.model, args.threads, args.runs, args.ctx)))
+        return
+
+    stamp = datetime.now(timezone.utc)
+    out_dir = Path(args.out or f"benchmarks/results/cpu/{stamp:%Y-%m-%d}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    results = {}
+    for name in args.models.split(","):
+        model = os.path.expanduser(MODELS[name])
+        print(f"== {name}", file=sys.stderr)
+        r = {e: run_worker(e, model, args) for e in ("llamacpp", "tianxia")}
+        if not args.no_agreement:
+            r["transformers"] = run_worker("transformers", model, args)
+        r["gguf_bytes"] = os.path.getsize(model)
+        r["llamacpp"]["kv_bytes"] = kv_bytes_f16(model, args.ctx)
+        results[name] = r
+    load_after = os.getloadavg()
+    (out_dir / "results.json").write_text(json.dumps(results))
+
+    med = statistics.median
+    mib = 2**20
+    lines = [
+        f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs; "
+        f"context {args.ctx} tokens.",
+        "",
+        "| model | metric | llama.cpp | tianxia | tianxia / llama.cpp |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lc, tx = r["llamacpp"], r["tianxia"]
+        for label, key in (("generation, tokens/s", "tg"), (f"prompt processing ({PROMPT_TOKENS} tokens), tokens/s", "pp")):
+            a, b = med(lc[key]), med(tx[key])
+            lines.append(f"| {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+        target = r["gguf_bytes"]
+        lines.append(
+            f"| {name} | RSS after load, MiB (process base) | {lc['rss_loaded'] / mib:.0f} ({lc['rss_base'] / mib:.0f}) "
+            f"| {tx['rss_loaded'] / mib:.0f} ({tx['rss_base'] / mib:.0f}) | {tx['rss_loaded'] / lc['rss_loaded']:.2f}x |")
+        lines.append(
+            f"| {name} | load growth vs GGUF + KV, MiB | {(lc['rss_loaded'] - lc['rss_base']) / mib:.0f} vs "
+            f"{(target + lc['kv_bytes']) / mib:.0f} (f16 KV) | {(tx['rss_loaded'] - tx['rss_base']) / mib:.0f} vs "
+            f"{(target + tx['kv_bytes']) / mib:.0f} (f32 KV) | |")
+    lines += ["", "Greedy agreement (20 prompts x 32 tokens, same token ids in):", ""]
+    for name, r in results.items():
+        if "transformers" not in r:
+            continue
+        tx, lc, hf = r["tianxia"]["tokens"], r["llamacpp"]["tokens"], r["transformers"]["tokens"]
+        lines.append(f"- {name}: tianxia vs transformers {agreement(tx, hf)}; tianxia vs llama.cpp "
+                     f"{agreement(tx, lc)}; llama.cpp vs transformers {agreement(lc, hf)}")
+    md = "\n".join(lines) + "\n"
+    (out_dir / "cpu_vs_llamacpp.md").write_text(md)
+    print(md)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Linear and embedding layers over packed block-quantized weights (CPU).
+
+They replace ``nn.Linear`` / ``nn.Embedding`` at load time (see ``load_weights`` of the model
+files) when a weight arrives as a :class:`~tianxia.quant.packed.PackedWeight`; the weight stays
+packed in memory and the product runs in :mod:`tianxia.quant.cpu_kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tianxia.quant import cpu_kernels
+from tianxia.quant.packed import PackedWeight
+
+
+class _Packed(nn.Module):
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.bits, self.group, self.source = weight.bits, weight.group, weight.source
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qs", weight.qs)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qs, self.scales, self.mins, self.bits, self.group, self.source)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.source} as {self.bits}-bit groups of {self.group}"
+
+
+class QuantizedLinear(_Packed):
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        bias = None if self.bias is None else self.bias.float()
+        y = cpu_kernels.packed_linear(x2, self.packed, bias)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+class QuantizedEmbedding(_Packed):
+    """An embedding table kept packed; ``linear`` multiplies by it (tied output heads)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.packed_rows(ids, self.packed).reshape(*ids.shape, self.in_features)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None)

@@ -1,0 +1,74 @@
+"""The CPU kernels (``csrc/packed_gemm.cpp``), built on first use: matmuls with packed weights,
+and the fused float32 ops of a decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged
+one-token attention), each one call where torch would take several.
+
+The extension is compiled once per machine with ``torch.utils.cpp_extension`` (cached under
+``$TORCH_EXTENSIONS_DIR``, about 40 s the first time). Without AVX2 or a C++ compiler, the same
+products are computed by dequantizing in torch (correct, but slower and with a float32 copy of
+each weight while it is used).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tianxia.quant.packed import PackedWeight
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+
+
+@functools.cache
+def extension():
+    """The compiled kernels, or None where they cannot be built here."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.warning("packed-weight kernels need AVX2; using the torch fallback")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="tianxia_packed_gemm",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: stay correct, just slower
+        logger.warning("could not build the packed-weight kernels (%s); using the torch fallback", e)
+        return None
+
+
+def fused_ops(t: torch.Tensor):
+    """The extension when ``t`` can take the fused float32 CPU ops (rms_norm, rope, silu_and_mul,
+    paged_decode), else None."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or torch.is_grad_enabled():
+        return None
+    return extension()
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` for a float32 ``[M, K]`` x."""
+    ext = extension()
+    if ext is None:
+        return F.linear(x, w.dequantize(), bias)
+    mins = w.mins if w.mins is not None else _EMPTY
+    return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group)
+
+
+def packed_rows(index: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Rows ``index`` of ``w``, dequantized (an embedding lookup)."""
+    ext = extension()
+    if ext is None:
+        return w.select_rows(index.reshape(-1)).dequantize()
+    mins = w.mins if w.mins is not None else _EMPTY
+    return ext.packed_rows(index.reshape(-1), w.qs, w.scales, mins, w.bits, w.group)
+
+
+_EMPTY = torch.empty(0)

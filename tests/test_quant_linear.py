@@ -1,0 +1,106 @@
+"""Packed (block-quantized) weights on CPU: the kernels against dequantize-then-matmul, the engine
+on the real SmolLM2 GGUF against the same engine with dequantized weights, and ``quantization=``
+on a float model against transformers running the same quantized-then-dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tianxia import LLM, SamplingParams
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
+from tianxia.quant import cpu_kernels
+from tianxia.quant.gguf_codecs import dequantize
+from tianxia.quant.packed import PACKABLE_TYPES, concat_rows, from_gguf, quantize_float
+from tianxia.quant.quantize import quantize_array
+
+ROWS, COLS = 40, 512  # 512: two k-quant super-blocks per row
+
+
+def _gguf_matrix(qtype: QT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw GGUF bytes, their float32 decoding by the reference codec) of a random matrix."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(ROWS, COLS, generator=g) * torch.rand(ROWS, 1, generator=g)
+    raw = torch.from_numpy(quantize_array(w.numpy(), qtype).reshape(-1))
+    return raw, dequantize(raw, qtype, (ROWS, COLS))
+
+
+def _check_products(packed, reference: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    for m in (1, 3, 8, 9, 40):  # the direct kernel (up to 8 rows) and the tiled BLAS path
+        x = torch.randn(m, reference.shape[1])
+        want = torch.nn.functional.linear(x, reference, bias)
+        got = cpu_kernels.packed_linear(x, packed, bias)
+        scale = want.abs().max()
+        assert float((got - want).abs().max() / scale) < 1e-5, f"{packed.source}, {m} rows"
+
+
+@pytest.mark.parametrize("qtype", sorted(PACKABLE_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_packed_matmul_equals_dequantize_then_matmul(qtype):
+    raw, reference = _gguf_matrix(qtype)
+    packed = from_gguf(raw, qtype, (ROWS, COLS))
+    # 4-bit types keep 4-bit codes, the others take 8-bit codes; never a float copy
+    assert packed.bits == (4 if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else 8)
+    assert packed.nbytes <= 0.4 * ROWS * COLS * 4
+    assert torch.allclose(packed.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max())
+    _check_products(packed, reference, bias=torch.randn(ROWS))
+    rows = torch.tensor([5, 0, ROWS - 1, 5])
+    assert torch.allclose(cpu_kernels.packed_rows(rows, packed), reference[rows], atol=1e-6)
+
+
+def test_fused_rows_of_mixed_types_stay_exact():
+    # Q4_K_M files mix types inside one fused projection (q, k: Q4_K / Q5_0, v: Q6_K)
+    parts = [_gguf_matrix(t, seed=i) for i, t in enumerate((QT.Q4_K, QT.Q5_0, QT.Q6_K))]
+    packed = concat_rows([from_gguf(raw, t, (ROWS, COLS)) for (raw, _), t in
+                          zip(parts, (QT.Q4_K, QT.Q5_0, QT.Q6_K))])
+    reference = torch.cat([ref for _, ref in parts])
+    assert packed.bits == 8 and packed.group == 16
+    _check_products(packed, reference)
+
+
+@pytest.mark.parametrize("method", ["q8_0", "q4_0", "int8", "int4"])
+def test_float_quantizers_round_trip(method):
+    w = torch.randn(64, 256)
+    packed = quantize_float(w, method)
+    err = float((packed.dequantize() - w).abs().max() / w.abs().max())
+    assert err < (0.02 if method in ("q8_0", "int8") else 0.2)
+    _check_products(packed, packed.dequantize())
+
+
+def test_gguf_weights_stay_packed_and_match_dequantized(smollm2_path, smollm2_llm):
+    model = smollm2_llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)  # tied output head, Q8_0
+    assert not any(p.dim() == 2 for p in model.parameters())  # no float copy of any matrix
+    dense = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=512, quantization="none")
+    assert isinstance(dense.engine.runner.model.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "List three primary colors:"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
+    assert ours == ref
+
+
+@pytest.mark.parametrize("method", ["q8_0", "int4"])
+def test_quantization_of_a_float_model_matches_transformers(method, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["llama"]
+    llm = LLM(str(path), num_kv_blocks=64, quantization=method)
+    assert isinstance(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    ids = llm.get_tokenizer().encode("Quantized weights keep their structure")
+    ours = llm.engine.score(ids)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():  # the same rounding applied to transformers' weights
+        for name, p in ref.named_parameters():
+            if p.dim() == 2:
+                p.copy_(quantize_float(p, method).dequantize())
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((ours - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_quantization_option_is_validated():
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        LLM("smollm2-135m", quantization="q3_x")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        LLM("smollm2-135m", kv_cache_dtype="int2")
