@@ -104,3 +104,6 @@ def test_quantization_option_is_validated():
         LLM("smollm2-135m", quantization="q3_x")
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         LLM("smollm2-135m", kv_cache_dtype="int2")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp8 weights need a CUDA GPU"):
+            LLM("smollm2-135m", quantization="fp8", device="cpu")

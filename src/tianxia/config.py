@@ -97,8 +97,9 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "none": "every weight dequantized to the model dtype",
     "q8_0": "float matrices quantized as llama.cpp's Q8_0 (int8, groups of 32, one scale)",
     "q4_0": "float matrices quantized as llama.cpp's Q4_0 (4-bit, groups of 32, one scale)",
-    "int8": "float matrices quantized to int8, one scale per output channel",
+    "int8": "float matrices quantized to int8 (CPU: packed groups; CUDA: one scale per output channel)",
     "int4": "float matrices quantized to 4 bits, groups of 32 with a scale and a min",
+    "fp8": "CUDA, compute capability 8.9+: decoder projections in float8 e4m3, one scale per output channel",
 }
 # --kv-cache-dtype: the KV cache's element type; "auto" is the model dtype
 KV_CACHE_DTYPES: dict[str, str] = {

@@ -58,7 +58,8 @@ def load_model(
 
     On CPU, for models that take packed weights, GGUF block-quantized matrices stay packed
     (``quantization="auto"``) and float matrices can be quantized as they stream in (``q8_0``,
-    ``q4_0``, ``int8``, ``int4``); ``"none"`` dequantizes everything.
+    ``q4_0``, ``int8``, ``int4``); ``"none"`` dequantizes everything. On CUDA, ``int8`` and ``fp8``
+    store the decoder projections with per-channel scales (:mod:`tianxia.quant.channelwise`).
     """
     from tianxia.loader import safetensors as st
     from tianxia.loader.tokenizer import load_tokenizer
@@ -69,14 +70,22 @@ def load_model(
     config = gguf_file.model_config() if gguf_file is not None else st.hf_model_config(path)
     model_class = get_model_class(config)
     packed = device.type == "cpu" and quantization != "none" and getattr(model_class, "packed_weights", False)
-    if quantization not in ("auto", "none") and not packed:
+    # on a GPU, int8 / fp8 replace the decoder projections after load (per-channel scales)
+    channelwise = device.type == "cuda" and quantization in ("int8", "fp8")
+    if quantization == "fp8":
+        from tianxia.quant.channelwise import fp8_supported
+
+        reason = fp8_supported(device)
+        if reason is not None:
+            raise ValueError(f"--quantization fp8: {reason}")
+    if quantization not in ("auto", "none") and not packed and not channelwise:
         where = "on CPU" if device.type != "cpu" else f"for {config.architecture} models"
         raise ValueError(f"--quantization {quantization} is not available {where}; use auto or none")
     if gguf_file is not None:
         weights = gguf_file.hf_weights(config, packed=packed)
     else:
         weights = st.hf_weights(path)
-    if quantization not in ("auto", "none"):
+    if quantization not in ("auto", "none") and not channelwise:
         weights = quantize_weights(weights, quantization)
 
     with torch.device("meta"):
@@ -89,6 +98,10 @@ def load_model(
             missing = [gguf_file.hf_to_gguf_name(n) for n in missing]
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{path}: missing tensor(s): {shown}")
+    if channelwise:
+        from tianxia.quant.channelwise import quantize_model
+
+        quantize_model(model, quantization)
     model.init_buffers(device)
     model.eval()
 
