@@ -10,8 +10,7 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# transformers' tiny random models, one per architecture of the llama family
-TINY_ARCHS = ("llama", "qwen2", "mistral")
+from helpers import TINY_ARCHS, make_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,37 +48,6 @@ def smollm2_tokenizer_dir(smollm2_path, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(smollm2_path, is_gguf=True).save_pretrained(str(out))
-    return out
-
-
-def make_tiny_hf_model(
-    arch: str, out: Path, tokenizer_dir: Path, max_shard_size: str = "5GB", **overrides
-) -> Path:
-    """Save a randomly initialised transformers model of ``arch`` with a real tokenizer."""
-    import shutil
-
-    import transformers
-
-    cls_cfg = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[arch]
-    kwargs = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(hash(arch) % 1000)
-    model = cls_cfg[1](cls_cfg[0](**kwargs)).eval()
-    with torch.no_grad():  # random biases, so the qwen2 bias path is exercised for real
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(str(out), max_shard_size=max_shard_size)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, make_tiny_hf_model
+from helpers import TINY_ARCHS, make_tiny_hf_model
 from transformers import AutoModelForCausalLM
 
 from tianxia import LLM, SamplingParams
