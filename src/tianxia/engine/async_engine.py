@@ -149,7 +149,11 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # event-loop side only
         self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
-        self._pending_adds = 0  # event-loop side: adds sent but not yet taken by the engine
+        # adds queued but not yet taken by the engine thread: the event loop counts them up, the
+        # engine thread counts them down in the same critical section that publishes the
+        # snapshot that now includes them, so a request is never counted twice or not at all
+        self._pending_adds = 0
+        self._count_lock = threading.Lock()
         self._last_sched: Any = None
         self.num_steps = 0
         self.max_step_seqs = 0
@@ -199,8 +203,9 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict[str, float]:
         """The latest engine statistics (published by the engine thread after every step)."""
-        snap = dict(self._snapshot)
-        snap["num_waiting"] = snap.get("num_waiting", 0) + self._pending_adds
+        with self._count_lock:
+            snap = dict(self._snapshot)
+            snap["num_waiting"] = snap.get("num_waiting", 0) + self._pending_adds
         return snap
 
     def _send(self, command: tuple) -> None:
@@ -225,9 +230,16 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._pending_adds += 1
+        with self._count_lock:
+            self._pending_adds += 1
         try:
             self._send(("add", request_id, prompt, params, time.monotonic(), fut))
+        except BaseException:
+            with self._count_lock:
+                self._pending_adds -= 1  # never queued
+            self._streams.pop(request_id, None)
+            raise
+        try:
             await asyncio.wrap_future(fut)
         except BaseException as e:
             self._streams.pop(request_id, None)
@@ -235,8 +247,6 @@ class AsyncLLMEngine:
                 # cancelled while the engine was taking it: make sure it does not run unobserved
                 self.abort(request_id)
             raise
-        finally:
-            self._pending_adds -= 1
         return stream.queue
 
     def abort(self, request_id: str) -> None:
@@ -325,11 +335,15 @@ class AsyncLLMEngine:
 
         scheduler.schedule = schedule_and_record
 
-    def _publish_stats(self) -> None:
+    def _publish_stats(self, adds_taken: int = 0) -> None:
         try:
-            self._snapshot = dict(self.engine.stats())
+            snap = dict(self.engine.stats())
         except Exception:  # pragma: no cover - stats must never take the loop down
             logger.exception("engine.stats() failed")
+            snap = self._snapshot
+        with self._count_lock:
+            self._snapshot = snap
+            self._pending_adds -= adds_taken
 
     def _post(self, batch: list[tuple[str, Any]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():
@@ -411,6 +425,7 @@ class AsyncLLMEngine:
     def _drain_commands(self) -> None:
         done: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
         crash: BaseException | None = None
+        adds_taken = 0
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -419,6 +434,7 @@ class AsyncLLMEngine:
             kind = cmd[0]
             if kind == "add":
                 _, rid, prompt, params, arrival, fut = cmd
+                adds_taken += 1
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
@@ -455,7 +471,7 @@ class AsyncLLMEngine:
                     done.append((fut, fn(self.engine), None))
                 except Exception as e:  # noqa: BLE001 - goes back to the caller
                     done.append((fut, None, e))
-        self._publish_stats()  # before answering, so that a new request counts as waiting
+        self._publish_stats(adds_taken)  # before answering, so that a new request counts as waiting
         for fut, result, exc in done:
             if exc is not None:
                 fut.set_exception(exc)
@@ -542,6 +558,9 @@ class AsyncLLMEngine:
             except queue.Empty:
                 break
             fut = cmd[-1] if cmd[0] in ("add", "call") else None
+            if cmd[0] == "add":
+                with self._count_lock:
+                    self._pending_adds -= 1
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(err)
         # requests still in the engine get a final error so that no consumer hangs

@@ -332,8 +332,7 @@ class LlamaForCausalLM(nn.Module):
             filled[target].add(shard)
         missing = []
         for name, shards in filled.items():
-            if name in pending:
-                continue  # reported below as its missing shards
+            # a fused matrix still pending has some shards but not all: named below, shard by shard
             if None in shards:
                 continue
             fused = next((f for f, _ in _STACKED.values() if f in name), None)
