@@ -10,7 +10,7 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from helpers import TINY_ARCHS, make_tiny_hf_model  # noqa: E402
+from helpers import TINY_ARCHS, make_tiny_hf_model
 
 
 @pytest.fixture(scope="session")

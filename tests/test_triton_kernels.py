@@ -344,18 +344,17 @@ def test_fused_decode_matches_model(batch):
     assert _greedy(runner2, prompts, 6) == expected
 
 
-def test_fused_decoder_logits_close():
+def _check_fused_decoder_logits(runner, cfg) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
     from tianxia.engine.cuda_graph import FusedDecoder
+    from tianxia.engine.sequence import Sequence
+    from tianxia.layers.attention.triton_attention import decode_num_splits
+    from tianxia.sampling_params import SamplingParams
 
-    runner, cfg = _tiny_runner(torch.float32, tie=False)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
     _greedy(runner, prompts, 2)  # fills the cache
     dec = FusedDecoder(runner.model, cfg, runner.kv_caches, 64)
     for b in (1, 3):
-        from tianxia.engine.sequence import Sequence
-        from tianxia.sampling_params import SamplingParams
-
         seqs = []
         for i, p in enumerate(prompts[:b]):
             s = Sequence(f"x{i}", None, p + [5], SamplingParams(max_tokens=1))
@@ -364,11 +363,13 @@ def test_fused_decoder_logits_close():
             seqs.append(s)
         _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        from tianxia.layers.attention.triton_attention import decode_num_splits
-
         got = dec.forward(ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
                           decode_num_splits(b, 2, 64))
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_fused_decoder_logits_close():
+    _check_fused_decoder_logits(*_tiny_runner(torch.float32, tie=False))
 
 
 # --- int8 / fp8 weights with per-channel scales ------------------------------------------------------
@@ -441,28 +442,10 @@ def test_channelwise_quantization_error(method, bound):
 def test_fused_decoder_quantized_weights(method):
     """A model with quantized projections: the fused decode forward (GEMV at batch 1, the module's
     own kernel path at batch 3) gives the eager model's logits."""
-    from tianxia.engine.cuda_graph import FusedDecoder
-    from tianxia.engine.sequence import Sequence
-    from tianxia.layers.attention.triton_attention import decode_num_splits
     from tianxia.quant.channelwise import ChannelwiseLinear, quantize_model
-    from tianxia.sampling_params import SamplingParams
 
     runner, cfg = _tiny_runner(torch.float32, tie=False)
     sizes = quantize_model(runner.model, method)
     assert sizes["bytes_after"] < sizes["bytes_before"] / 3.5
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, ChannelwiseLinear)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
-    _greedy(runner, prompts, 2)
-    dec = FusedDecoder(runner.model, cfg, runner.kv_caches, 64)
-    for b in (1, 3):
-        seqs = []
-        for i, p in enumerate(prompts[:b]):
-            s = Sequence(f"q{i}", None, p + [5], SamplingParams(max_tokens=1))
-            s.block_table = list(range(10 * i, 10 * i + 3))
-            s.num_computed_tokens = len(p)
-            seqs.append(s)
-        _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
-        ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        got = dec.forward(ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
-                          decode_num_splits(b, 2, 64))
-        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+    _check_fused_decoder_logits(runner, cfg)
