@@ -563,6 +563,23 @@ def test_400_prompt_longer_than_context(client, http):
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
 
 
+def test_400_constraints_no_token_can_meet(client, http):
+    # U+40000 is in no token of the vocabulary: refused before the request runs ...
+    with pytest.raises(openai.BadRequestError, match="cannot be met"):
+        client.completions.create(
+            model=MODEL, prompt="0", max_tokens=4, extra_body={"guided_regex": "\U00040000"}
+        )
+    # ... or ended as a client error when generation reaches it
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=MODEL, prompt="0", max_tokens=4, extra_body={"guided_regex": "a\U00040000"}
+        )
+    assert e.value.code == "unsatisfiable_constraints"
+    _wait_idle(http, timeout=30)
+    ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_400_not_json(http):
     r = http.post(
         "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}

@@ -133,9 +133,26 @@ def test_hitting_max_tokens_is_reported_as_length(smollm2_llm):
         ({"json": "{not json"}, "invalid JSON schema"),
         ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "invalid json"),
         ({"regex": "a", "choice": ["b"]}, "exactly one"),
+        ({"regex": "\U00040000"}, "cannot be met"),  # no token can spell U+40000
     ],
 )
 def test_invalid_constraints_fail_closed(smollm2_llm, constraint, message):
     with pytest.raises(ValueError, match=message):
         smollm2_llm.generate("x", SamplingParams(structured_outputs=constraint), use_tqdm=False)
     assert not smollm2_llm.engine.has_unfinished_requests()
+
+
+def test_a_constraint_that_dead_ends_fails_only_its_request(smollm2_llm):
+    engine = smollm2_llm.engine
+    dead = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "a\U00040000"})
+    disjoint = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]+"},
+                              allowed_token_ids=[smollm2_llm.get_tokenizer().encode("a")[0]])
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = smollm2_llm.generate(["x", "y", "The capital of France is"], [dead, disjoint, free])
+    for out in outs[:2]:
+        assert out.outputs[0].finish_reason == "abort"
+        assert "no token of the vocabulary satisfies" in out.outputs[0].stop_reason
+    assert outs[0].outputs[0].text == "a"
+    assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 8
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

@@ -58,6 +58,10 @@ class RequestFailedError(EngineStepError):
     """This request's own processing failed (NaN logits, detokenizer, grammar); others go on."""
 
 
+class RequestUnsatisfiableError(RequestFailedError):
+    """The request's own constraints left no token to generate (a client error)."""
+
+
 class RequestTimeoutError(RequestAbortedError):
     """The request ran past ``request_timeout`` seconds and was aborted."""
 
@@ -519,7 +523,12 @@ class AsyncLLMEngine:
         failed = self.engine.failed
         for out in outputs:
             error = failed.get(out.request_id)
-            item = out if error is None else RequestFailedError(f"the request failed: {error}")
+            if error is None:
+                item = out
+            elif error.invalid_request:
+                item = RequestUnsatisfiableError(error.message)
+            else:
+                item = RequestFailedError(f"the request failed: {error.message}")
             batch.append((out.request_id, item))
             tracked = self._tracked.get(out.request_id)
             if tracked is None:

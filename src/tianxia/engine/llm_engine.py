@@ -14,7 +14,7 @@ from tianxia.config import EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
-from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_per_token
 from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence, SequenceStatus
 from tianxia.layers.attention import get_backend
@@ -244,7 +244,8 @@ class LLMEngine:
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
         self.requests: dict[str, list[Sequence]] = {}
-        self.failed: dict[str, str] = {}  # request id -> error, for the requests failed in the last step
+        # request id -> why, for the requests failed in the last step
+        self.failed: dict[str, RequestFailure] = {}
         self._grammar_backend = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -341,12 +342,12 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def _fail_request(self, request_id: str, message: str) -> None:
+    def _fail_request(self, request_id: str, failure: RequestFailure) -> None:
         """End every sequence of a request whose processing raised; the others run on."""
-        self.failed[request_id] = message
+        self.failed[request_id] = failure
         for seq in self.requests.get(request_id, []):
             if not seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "abort", message
+                seq.finish_reason, seq.stop_reason = "abort", failure.message
                 self.scheduler.finish(seq)
 
     def step(self) -> list[RequestOutput]:
@@ -404,7 +405,7 @@ class LLMEngine:
                     self._check_stop(s, token)
                 except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
                     logger.exception("request %s failed", s.request_id)
-                    self._fail_request(s.request_id, f"{type(e).__name__}: {e}")
+                    self._fail_request(s.request_id, RequestFailure(f"{type(e).__name__}: {e}"))
                 touched[s.request_id] = None
         for children in forks.values():
             for child in children:

@@ -25,12 +25,27 @@ _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 TokenLogprobs = tuple[list[int], list[float], float, int]
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request got no token. ``invalid_request`` when its own parameters are at fault (an
+    HTTP client gets a 400), otherwise the server failed it (a 500)."""
+
+    message: str
+    invalid_request: bool = False
+
+
+NO_ADMISSIBLE_TOKEN = (
+    "no token of the vocabulary satisfies this request's constraints "
+    "(guided decoding, allowed_token_ids, bad_words, min_tokens) at this point"
+)
+
+
 @dataclass
 class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why it got no token
+    errors: dict[int, RequestFailure] = field(default_factory=dict)  # seq_id -> why it got no token
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -139,6 +154,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         logits = self._drop_nan_rows(logits, seqs, result)
         out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
+        for i in out.dead_rows:
+            result.errors.setdefault(seqs[i].seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
         for seq, token, lp in zip(seqs, out.tokens, out.logprobs):
             if seq.seq_id in result.errors:
                 continue
@@ -158,7 +175,7 @@ class ModelRunner:
         if not bool(nan_rows.any()):
             return logits
         for i in nan_rows.nonzero().flatten().tolist():
-            result.errors[seqs[i].seq_id] = "the model produced NaN logits for this request"
+            result.errors[seqs[i].seq_id] = RequestFailure("the model produced NaN logits for this request")
         return logits.masked_fill(nan_rows[:, None], 0.0)
 
     # --- CUDA ---------------------------------------------------------------------------------

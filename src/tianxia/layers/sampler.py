@@ -11,7 +11,7 @@ Everything is a tensor op over the batch; Python loops only touch rows that use 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -149,6 +149,8 @@ class SamplerOutput:
     tokens: list[int]
     # per row: None, or (top ids, top logprobs, chosen logprob, chosen rank)
     logprobs: list[tuple[list[int], list[float], float, int] | None]
+    # rows whose constraints (grammar, allowed ids, bans) left no token to sample
+    dead_rows: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -162,12 +164,18 @@ class Sampler:
         if any(k is not None for k in batch.num_logprobs):
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = self._process(logits, batch)
+        dead_rows: list[int] = []
+        if any(g is not None for g in batch.grammars) or any(a is not None for a in batch.allowed) or any(batch.banned):
+            dead = torch.isneginf(logits).all(dim=-1)
+            if bool(dead.any()):
+                dead_rows = dead.nonzero().flatten().tolist()
+                logits[dead] = 0.0  # sample something harmless; the caller discards these rows
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1).cpu()
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, batch))
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, batch), dead_rows)
 
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         neg_inf = float("-inf")

@@ -31,6 +31,7 @@ from tianxia.engine.async_engine import (
     RequestAbortedError,
     RequestFailedError,
     RequestTimeoutError,
+    RequestUnsatisfiableError,
 )
 from tianxia.outputs import RequestOutput
 from tianxia.structured import StructuredOutputsParams
@@ -144,6 +145,8 @@ def _engine_error(e: BaseException) -> APIError:
         return APIError(504, str(e), code="request_timeout")
     if isinstance(e, RequestAbortedError):
         return APIError(503, str(e), code="server_shutting_down")
+    if isinstance(e, RequestUnsatisfiableError):
+        return APIError(400, str(e), code="unsatisfiable_constraints")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="request_failed")
     if isinstance(e, EngineDeadError):

@@ -105,11 +105,23 @@ class GrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"invalid {kind.replace('_', ' ')} constraint: {first_line}") from None
+        if not self._admits_a_first_token(compiled):
+            raise ValueError(
+                f"the {kind.replace('_', ' ')} constraint cannot be met: no token of this model's "
+                "vocabulary can start it"
+            )
         with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _admits_a_first_token(self, compiled: Any) -> bool:
+        # A pattern built of characters the vocabulary cannot spell would otherwise fail the
+        # request on its first step; an empty pattern admits the stop token, so it passes.
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)
