@@ -12,7 +12,7 @@ Each engine runs in its own process (so resident memory is its own), one after t
 - memory: resident set after load, against the GGUF size plus the KV cache of the context
   (``--ctx``); the Python process itself (torch, tokenizers) is reported as the base;
 - greedy agreement: 20 prompts x 32 tokens, fed as the same token ids, from tianxia (packed
-  weights), llama.cpp and transformers (float32, ``gguf_file=``); per pair, prompts whose 32
+  weights, 8-bit activations; with ``--float32`` also float32 activations), llama.cpp and transformers (float32, ``gguf_file=``); per pair, prompts whose 32
   tokens are all equal and the mean length of the common prefix.
 
 Medians over ``--runs``. Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
@@ -59,7 +59,11 @@ def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
     return long, tokenizer.encode("Tell me a story about a dragon."), [tokenizer.encode(p) for p in PROMPTS]
 
 
-def worker_tianxia(model: str, threads: int, runs: int, ctx: int) -> dict:
+def worker_tianxia_f32(model: str, threads: int, runs: int, ctx: int) -> dict:
+    return worker_tianxia(model, threads, runs, ctx, cpu_activations="float32")
+
+
+def worker_tianxia(model: str, threads: int, runs: int, ctx: int, cpu_activations: str = "int8") -> dict:
     import torch
 
     from tianxia import LLM, SamplingParams
@@ -67,7 +71,8 @@ def worker_tianxia(model: str, threads: int, runs: int, ctx: int) -> dict:
 
     base = rss()
     t0 = time.perf_counter()
-    llm = LLM(model, threads=threads, num_kv_blocks=ctx // 16, max_model_len=ctx, enable_prefix_caching=False)
+    llm = LLM(model, threads=threads, num_kv_blocks=ctx // 16, max_model_len=ctx, enable_prefix_caching=False,
+              cpu_activations=cpu_activations)
     load_s = time.perf_counter() - t0
     loaded = rss()
     long, short, agree = prompt_ids(llm.get_tokenizer())
@@ -183,6 +188,10 @@ def kv_bytes_f16(model: str, ctx: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
 
 
+WORKERS = {"tianxia": worker_tianxia, "tianxia_f32": worker_tianxia_f32, "llamacpp": worker_llamacpp,
+           "transformers": worker_transformers}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -190,13 +199,14 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="context (KV cache) size of both engines")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated keys of MODELS")
     ap.add_argument("--no-agreement", action="store_true", help="skip the transformers reference")
+    ap.add_argument("--float32", action="store_true",
+                    help="also run tianxia with --cpu-activations float32 (exact products)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", choices=["tianxia", "llamacpp", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = {"tianxia": worker_tianxia, "llamacpp": worker_llamacpp, "transformers": worker_transformers}
-        print(json.dumps(fn[args.worker](args.model, args.threads, args.runs, args.ctx)))
+        print(json.dumps(WORKERS[args.worker](args.model, args.threads, args.runs, args.ctx)))
         return
 
     stamp = datetime.now(timezone.utc)
@@ -207,7 +217,8 @@ def main() -> None:
     for name in args.models.split(","):
         model = os.path.expanduser(MODELS[name])
         print(f"== {name}", file=sys.stderr)
-        r = {e: run_worker(e, model, args) for e in ("llamacpp", "tianxia")}
+        engines = ("llamacpp", "tianxia") + (("tianxia_f32",) if args.float32 else ())
+        r = {e: run_worker(e, model, args) for e in engines}
         if not args.no_agreement:
             r["transformers"] = run_worker("transformers", model, args)
         r["gguf_bytes"] = os.path.getsize(model)
@@ -231,6 +242,9 @@ def main() -> None:
         for label, key in (("generation, tokens/s", "tg"), (f"prompt processing ({PROMPT_TOKENS} tokens), tokens/s", "pp")):
             a, b = med(lc[key]), med(tx[key])
             lines.append(f"| {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            if "tianxia_f32" in r:
+                b = med(r["tianxia_f32"][key])
+                lines.append(f"| {name} | {label}, float32 activations | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
         target = r["gguf_bytes"]
         lines.append(
             f"| {name} | RSS after load, MiB (process base) | {lc['rss_loaded'] / mib:.0f} ({lc['rss_base'] / mib:.0f}) "
@@ -246,6 +260,10 @@ def main() -> None:
         tx, lc, hf = r["tianxia"]["tokens"], r["llamacpp"]["tokens"], r["transformers"]["tokens"]
         lines.append(f"- {name}: tianxia vs transformers {agreement(tx, hf)}; tianxia vs llama.cpp "
                      f"{agreement(tx, lc)}; llama.cpp vs transformers {agreement(lc, hf)}")
+        if "tianxia_f32" in r:
+            f32 = r["tianxia_f32"]["tokens"]
+            lines.append(f"- {name}, float32 activations: tianxia vs transformers {agreement(f32, hf)}; "
+                         f"tianxia vs llama.cpp {agreement(f32, lc)}")
     md = "\n".join(lines) + "\n"
     (out_dir / "cpu_vs_llamacpp.md").write_text(md)
     print(md)

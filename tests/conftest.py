@@ -27,18 +27,24 @@ def qwen_path() -> Path:
     return pull("qwen2.5-coder-0.5b", quiet=True)
 
 
+# The shared engines multiply with exact products (float32 activations): the tests compare them
+# with transformers and with themselves at float-rounding tolerance. The default 8-bit activations
+# (llama.cpp's numerics) have their own tests in test_quant_linear.py and test_engine.py, and the
+# server tests run the default.
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
     from tianxia import LLM
 
-    return LLM(str(smollm2_path), kv_cache_memory="512MiB", max_model_len=2048, seed=0)
+    return LLM(str(smollm2_path), kv_cache_memory="512MiB", max_model_len=2048, seed=0,
+               cpu_activations="float32")
 
 
 @pytest.fixture(scope="session")
 def qwen_llm(qwen_path):
     from tianxia import LLM
 
-    return LLM(str(qwen_path), kv_cache_memory="256MiB", max_model_len=1024, seed=0)
+    return LLM(str(qwen_path), kv_cache_memory="256MiB", max_model_len=1024, seed=0,
+               cpu_activations="float32")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,11 @@ from pathlib import Path
 import torch
 
 NEAR_TIE = 1e-3
+# With 8-bit activations (--cpu-activations int8) SmolLM2's logits move by up to 0.6-1.9 from the
+# float32 path's (max over the vocabulary, measured on three prompts), and a float rounding
+# difference between two int8 paths (BLAS blocking in prefill, say) can flip an activation's
+# rounding: ties closer than this may break either way.
+INT8_NEAR_TIE = 1.0
 
 # transformers' tiny random models, one per architecture of the llama family
 TINY_ARCHS = ("llama", "qwen2", "mistral")
@@ -30,8 +35,10 @@ def assert_greedy_match(
     got: list[int],
     logits_at: Callable[[int], torch.Tensor],
     label: str = "",
+    near_tie: float = NEAR_TIE,
 ) -> str:
-    """Greedy tokens must match; a divergence is accepted only at a near-tie of the reference.
+    """Greedy tokens must match; a divergence is accepted only at a near-tie of the reference
+    (a top-2 logit gap below ``near_tie``).
 
     ``logits_at(i)`` returns the reference's logits for output position ``i``. Returns a short
     report line (the tests print it so a run shows where ties happened).
@@ -42,7 +49,7 @@ def assert_greedy_match(
     if i >= min(len(expected), len(got)):
         raise AssertionError(f"{label}: lengths differ ({len(expected)} vs {len(got)}) with equal prefix")
     gap = top2_gap(logits_at(i))
-    assert gap < NEAR_TIE, (
+    assert gap < near_tie, (
         f"{label}: diverged at output token {i} ({expected[i]} vs {got[i]}) where the reference's "
         f"top-2 logit gap is {gap:.2e} (not a near-tie)\nexpected {expected}\ngot      {got}"
     )

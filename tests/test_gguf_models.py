@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from helpers import assert_greedy_match
 from transformers import AutoModelForCausalLM

@@ -225,7 +225,7 @@ def gemma3_path():
 def test_gemma3_270m_gguf_greedy_matches_transformers(gemma3_path):
     from helpers import assert_greedy_match
 
-    llm = LLM(str(gemma3_path), kv_cache_memory="256MiB", max_model_len=2048)
+    llm = LLM(str(gemma3_path), kv_cache_memory="256MiB", max_model_len=2048, cpu_activations="float32")
     cfg = llm.engine.model_config
     assert (cfg.architecture, cfg.sliding_window, cfg.qk_norm) == ("gemma3", 512, True)
     assert cfg.layer_types.count("full_attention") == 3
@@ -312,3 +312,29 @@ def test_32k_context_memory_per_token(tmp_path, tiny_tokenizer_dir):
     # freed chunk-sized attention buffers.
     release_freed_memory()
     assert rss() - before_rss < 256 << 20
+
+
+# --- the fused CPU decode step (models/cpu_decoder.py) against the layer-by-layer path -----------
+
+LLAMA_STYLE = ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "mistral-swa"]
+
+
+@pytest.mark.parametrize("arch", LLAMA_STYLE)
+def test_fused_cpu_decode_matches_the_module_path(arch, family_dirs):
+    """Decode steps as one C++ call: the same tokens and logprobs as the module path, for a batch
+    of sequences of different lengths decoding past the sliding windows."""
+    llm = LLM(str(family_dirs(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+    model = llm.engine.runner.model.model
+    ids = llm.get_tokenizer().encode(PROMPT)
+    prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 6, 11)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=4)
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    assert model.num_fused_steps >= 13
+    model.fused_decode = False
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            for t in step_a:
+                assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4

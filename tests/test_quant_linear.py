@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
+from helpers import INT8_NEAR_TIE, assert_greedy_match
 
 from tianxia import LLM, SamplingParams
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
@@ -48,6 +49,23 @@ def test_packed_matmul_equals_dequantize_then_matmul(qtype):
     assert torch.allclose(cpu_kernels.packed_rows(rows, packed), reference[rows], atol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", sorted(PACKABLE_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_int8_activations_stay_close_and_batch_invariant(qtype):
+    # 8-bit activation codes (one scale per 32 values) against the exact float product: an error
+    # of the size of the rounding, and each row's result independent of the rows beside it
+    raw, reference = _gguf_matrix(qtype)
+    packed = from_gguf(raw, qtype, (ROWS, COLS))
+    x = torch.randn(13, COLS)  # more than one chunk of 8 rows
+    want = x @ reference.T
+    got = cpu_kernels.packed_linear(x, packed, None, int8=True)
+    assert float((got - want).norm() / want.norm()) < 0.03, qtype.name
+    for i in (0, 7, 12):
+        assert torch.equal(cpu_kernels.packed_linear(x[i:i + 1], packed, None, int8=True)[0], got[i])
+    # many rows (prefill) multiply the same rounded activations with BLAS: equal up to float rounding
+    many = cpu_kernels.packed_linear(torch.cat([x, torch.randn(27, COLS)]), packed, None, int8=True)
+    assert float((many[:13] - got).abs().max() / got.abs().max()) < 1e-5, qtype.name
+
+
 def test_fused_rows_of_mixed_types_stay_exact():
     # Q4_K_M files mix types inside one fused projection (q, k: Q4_K / Q5_0, v: Q6_K)
     parts = [_gguf_matrix(t, seed=i) for i, t in enumerate((QT.Q4_K, QT.Q5_0, QT.Q6_K))]
@@ -76,9 +94,34 @@ def test_gguf_weights_stay_packed_and_match_dequantized(smollm2_path, smollm2_ll
     assert isinstance(dense.engine.runner.model.model.layers[0].mlp.gate_up_proj, torch.nn.Linear)
     prompts = ["The capital of France is", "def fibonacci(n):\n", "List three primary colors:"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert not model.int8_activations  # exact products (the default rounds activations to 8 bits)
     ours = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    assert model.model.num_fused_steps > 0  # the decode steps ran as one C++ call each
     ref = [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
     assert ours == ref
+
+
+
+def test_int8_activations_follow_the_float_path(smollm2_path, smollm2_llm):
+    """The default 8-bit activations (llama.cpp's numerics) change a greedy token only where the
+    exact float path is itself nearly tied."""
+    exact = smollm2_llm
+    assert not exact.engine.runner.model.int8_activations
+    int8 = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=512)  # the default
+    assert int8.engine.runner.model.int8_activations
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "List three primary colors:",
+               "Once upon a time, in a small village by the sea,", "The theory of relativity says"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    fast = int8.generate(prompts, params, use_tqdm=False)
+    ref = exact.generate(prompts, params, use_tqdm=False)
+    tok = exact.get_tokenizer()
+    for prompt, f, r in zip(prompts, fast, ref):
+        want = r.outputs[0].token_ids
+        print(assert_greedy_match(
+            want, f.outputs[0].token_ids,
+            lambda i, prompt=prompt, want=want: exact.engine.score(tok.encode(prompt) + want[:i])[-1],
+            label=repr(prompt), near_tie=INT8_NEAR_TIE,
+        ))
 
 
 @pytest.mark.parametrize("method", ["q8_0", "int4"])
@@ -86,7 +129,7 @@ def test_quantization_of_a_float_model_matches_transformers(method, tiny_models)
     from transformers import AutoModelForCausalLM
 
     path = tiny_models["llama"]
-    llm = LLM(str(path), num_kv_blocks=64, quantization=method)
+    llm = LLM(str(path), num_kv_blocks=64, quantization=method, cpu_activations="float32")
     assert isinstance(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
     ids = llm.get_tokenizer().encode("Quantized weights keep their structure")
     ours = llm.engine.score(ids)

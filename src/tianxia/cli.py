@@ -50,6 +50,7 @@ def _make_llm(args: argparse.Namespace):
         chat_template=args.chat_template,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        cpu_activations=args.cpu_activations,
     )
 
 

@@ -84,10 +84,12 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     quantization: str = "auto"  # see QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    cpu_activations: str = "int8"  # see CPU_ACTIVATIONS
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("cpu_activations", self.cpu_activations, CPU_ACTIVATIONS)
 
 
 # --quantization: what happens to the weights at load. Adding a method is one entry here plus its
@@ -104,6 +106,12 @@ QUANTIZATION_METHODS: dict[str, str] = {
 # --kv-cache-dtype: the KV cache's element type; "auto" is the model dtype
 KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "the model dtype", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+}
+
+# --cpu-activations: how decode steps on CPU multiply activations with packed (quantized) weights
+CPU_ACTIVATIONS: dict[str, str] = {
+    "int8": "rounded to 8 bits per 32 values for integer dot products, as llama.cpp does (fastest)",
+    "float32": "kept in float32: the product equals dequantize-then-matmul up to float rounding",
 }
 
 
@@ -130,7 +138,8 @@ def parse_size(text: str | int) -> int:
 
 
 def add_quantization_args(parser) -> None:
-    """``--quantization`` and ``--kv-cache-dtype`` for every command that loads a model."""
+    """``--quantization``, ``--kv-cache-dtype`` and ``--cpu-activations`` for every command that
+    loads a model."""
     parser.add_argument(
         "--quantization", "-q", default="auto", choices=list(QUANTIZATION_METHODS),
         help="weights at load: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZATION_METHODS.items()),
@@ -138,4 +147,8 @@ def add_quantization_args(parser) -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
         help="KV cache element type (default: auto, the model dtype)",
+    )
+    parser.add_argument(
+        "--cpu-activations", default="int8", choices=list(CPU_ACTIVATIONS),
+        help="CPU decode with packed weights: " + "; ".join(f"{k}: {v}" for k, v in CPU_ACTIVATIONS.items()),
     )

@@ -44,6 +44,7 @@ class LLM:
         chat_template: str | None = None,
         quantization: str = "auto",
         kv_cache_dtype: str = "auto",
+        cpu_activations: str = "int8",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -54,6 +55,7 @@ class LLM:
             chat_template=chat_template,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            cpu_activations=cpu_activations,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

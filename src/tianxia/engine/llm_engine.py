@@ -203,6 +203,8 @@ class LLMEngine:
         loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
                             quantization=config.quantization)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if hasattr(loaded.model, "int8_activations"):
+            loaded.model.int8_activations = config.cpu_activations == "int8"
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = config.chat_template or loaded.chat_template

@@ -22,6 +22,8 @@ class _Packed(nn.Module):
         self.register_buffer("qs", weight.qs)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        # products round activations to 8 bits per 32 values (``--cpu-activations int8``)
+        self.int8 = False
 
     @property
     def packed(self) -> PackedWeight:
@@ -42,7 +44,7 @@ class QuantizedLinear(_Packed):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         bias = None if self.bias is None else self.bias.float()
-        y = cpu_kernels.packed_linear(x2, self.packed, bias)
+        y = cpu_kernels.packed_linear(x2, self.packed, bias, self.int8)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
@@ -53,4 +55,4 @@ class QuantizedEmbedding(_Packed):
         return cpu_kernels.packed_rows(ids, self.packed).reshape(*ids.shape, self.in_features)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None)
+        return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None, self.int8)

@@ -144,11 +144,16 @@ class RotaryEmbedding(nn.Module):
                 base = self.base * ratio ** (d / (d - 2))
                 inv_freq = self._base_inv_freq(base).to(positions.device)
                 return self._table(positions.float(), inv_freq)
-        if positions.numel() and int(positions.max()) >= self.cos_sin.shape[0]:
-            size = max(int(positions.max()) + 1, 2 * self.cos_sin.shape[0])
-            self.cos_sin = self._table(torch.arange(size, dtype=torch.float32, device=positions.device),
-                                       self.inv_freq)
+        if positions.numel():
+            self.ensure_positions(int(positions.max()))
         return self.cos_sin[positions]
+
+    def ensure_positions(self, last: int) -> None:
+        """Grow the cos/sin table (doubling) so that it covers position ``last``."""
+        if last >= self.cos_sin.shape[0]:
+            size = max(last + 1, 2 * self.cos_sin.shape[0])
+            device = self.cos_sin.device
+            self.cos_sin = self._table(torch.arange(size, dtype=torch.float32, device=device), self.inv_freq)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

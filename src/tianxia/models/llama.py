@@ -37,6 +37,7 @@ from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
+from tianxia.models.cpu_decoder import FusedDecoder, unsupported_reason
 from tianxia.quant.packed import PackedWeight, concat_rows
 
 
@@ -188,11 +189,32 @@ class LlamaModel(nn.Module):
         )
         self.rotary_embs = list(shared.values())
         self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
+        # decode steps on CPU as one C++ call (see cpu_decoder); built on first use
+        self.int8_activations = False
+        self.fused_decode = True  # False: every step takes the module path (tests compare the two)
+        self.num_fused_steps = 0
+        self._fused: FusedDecoder | None = None
+        self._fused_reason: str | None = None
+
+    def _fused_decoder(self, hidden, kv_caches, meta) -> FusedDecoder | None:
+        if not self.fused_decode or not FusedDecoder.applies(hidden, kv_caches, meta):
+            return None
+        if self._fused is None or self._fused.key != tuple(c.data_ptr() for c in kv_caches):
+            if self._fused_reason is None:
+                self._fused_reason = unsupported_reason(self) or ""
+            if self._fused_reason:
+                return None
+            self._fused = FusedDecoder(self, kv_caches, self.int8_activations)
+        return self._fused
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        fused = self._fused_decoder(hidden, kv_caches, meta)
+        if fused is not None:
+            self.num_fused_steps += 1
+            return fused(hidden, positions, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -232,6 +254,20 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    @property
+    def int8_activations(self) -> bool:
+        """Products with packed weights round activations to 8 bits per 32 values, for integer
+        dot products in decode steps (``--cpu-activations int8``, llama.cpp's numerics)."""
+        return self.model.int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, value: bool) -> None:
+        self.model.int8_activations = value
+        self.model._fused = None
+        for module in self.modules():
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+                module.int8 = value
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         embed = self.model.embed_tokens

@@ -1,6 +1,7 @@
-"""The CPU kernels (``csrc/packed_gemm.cpp``), built on first use: matmuls with packed weights,
-and the fused float32 ops of a decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged
-one-token attention), each one call where torch would take several.
+"""The CPU kernels (``csrc/``), built on first use: matmuls with packed weights (``kernels.cpp``),
+the fused float32 ops of a decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged
+one-token attention; ``fused_ops.cpp``), each one call where torch would take several, and a
+whole decode step of a Llama-style model in one call (``decoder.cpp``).
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` (cached under
 ``$TORCH_EXTENSIONS_DIR``, about 40 s the first time). Without AVX2 or a C++ compiler, the same
@@ -21,7 +22,8 @@ from tianxia.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["bindings.cpp", "kernels.cpp", "fused_ops.cpp", "decoder.cpp"]
 
 
 @functools.cache
@@ -34,8 +36,9 @@ def extension():
         from torch.utils.cpp_extension import load
 
         return load(
-            name="tianxia_packed_gemm",
-            sources=[str(_SOURCE)],
+            name="tianxia_cpu_kernels",
+            sources=[str(_CSRC / f) for f in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -53,13 +56,14 @@ def fused_ops(t: torch.Tensor):
     return extension()
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w.T + bias`` for a float32 ``[M, K]`` x."""
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
+    """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds a few rows (decode) to 8-bit
+    codes for integer dot products (faster, llama.cpp's numerics)."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
     mins = w.mins if w.mins is not None else _EMPTY
-    return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group)
+    return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8)
 
 
 def packed_rows(index: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -245,6 +245,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         enforce_eager=getattr(args, "enforce_eager", False),
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        cpu_activations=args.cpu_activations,
     )
 
 

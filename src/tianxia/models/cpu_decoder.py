@@ -1,0 +1,103 @@
+"""The whole decode step of a Llama-style model as one C++ call on CPU (``quant/csrc/decoder.cpp``).
+
+A decode step of a small model on a CPU is dominated by dispatch, not arithmetic: a dozen torch
+calls per layer, each a few microseconds of Python and a parallel region. :class:`FusedDecoder`
+hands the layers' weights (packed or float32) and KV caches to the C++ decoder once; each step of
+single-token decodes is then one call. Steps with prefill chunks, and models or settings it does
+not cover (listed by :func:`unsupported_reason`), take the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tianxia.layers.activation import ActAndMul, SiluAndMul
+from tianxia.layers.attention import AttentionMetadata
+from tianxia.layers.linear import QuantizedLinear
+from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
+from tianxia.quant import cpu_kernels
+
+# Beyond this many sequences the prefill matmul (dequantized tiles and BLAS) beats re-reading the
+# packed weights once per 8 rows.
+MAX_FUSED_BATCH = 16
+
+_EMPTY = torch.empty(0)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` (a :class:`~tianxia.models.llama.LlamaModel`) cannot run fused, or None."""
+    if cpu_kernels.extension() is None:
+        return "the CPU kernels are not available"
+    for rotary in model.rotary_embs:
+        if rotary.rope_type == "dynamic":
+            return "dynamic RoPE scaling recomputes the table per step"
+    for layer in model.layers:
+        act = layer.mlp.act
+        if not (isinstance(act, SiluAndMul) or (isinstance(act, ActAndMul) and act.name == "gelu_pytorch_tanh")):
+            return "the MLP activation has no fused form"
+        attn = layer.self_attn
+        for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not isinstance(proj, QuantizedLinear) and proj.weight.dtype != torch.float32:
+                return "weights are neither packed nor float32"
+            if isinstance(proj, QuantizedLinear) and proj.bits not in (4, 8):
+                return "a packed weight has an unsupported layout"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if not all(type(n) is type(norms[0]) and type(n) in (RMSNorm, GemmaRMSNorm) for n in norms):
+            return "the layer norms have no fused form"
+    return None
+
+
+def _linear_args(proj: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    bias = _EMPTY if proj.bias is None else proj.bias.data
+    if isinstance(proj, QuantizedLinear):
+        mins = _EMPTY if proj.mins is None else proj.mins
+        return [proj.qs, proj.scales, mins, bias], [proj.bits, proj.group]
+    return [proj.weight.data, _EMPTY, _EMPTY, bias], [32, 0]
+
+
+class FusedDecoder:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], int8: bool) -> None:
+        ext = cpu_kernels.extension()
+        first = model.layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        offset = 1.0 if isinstance(model.norm, GemmaRMSNorm) else 0.0
+        self.rotary = model.rotary_embs
+        self.key = tuple(c.data_ptr() for c in kv_caches)
+        self.decoder = ext.Decoder(
+            model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            mlp.down_proj.in_features, model.norm.eps, offset, attn.scale, attn.softcap or 0.0,
+            first.sandwich, isinstance(mlp.act, ActAndMul), attn.rotary_emb.interleaved, int8,
+            model.norm.weight.data.float(),
+        )
+        for layer, cache in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears, formats = [], []
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                tensors, fmt = _linear_args(proj)
+                linears += tensors
+                formats += fmt
+            norms = [layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data]
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                norms.append(getattr(layer, name).weight.data if layer.sandwich else _EMPTY)
+            for norm in (attn.q_norm, attn.k_norm):
+                norms.append(_EMPTY if norm is None else norm.weight.data)
+            self.decoder.add_layer(linears, formats, norms, cache, self.rotary.index(attn.rotary_emb),
+                                   attn.sliding_window or 0)
+
+    @staticmethod
+    def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
+        return (
+            hidden.device.type == "cpu"
+            and hidden.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and meta.num_decodes == meta.num_seqs == hidden.shape[0] <= MAX_FUSED_BATCH
+            and kv_caches[0].dtype == torch.float32
+        )
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        last = int(positions.max())
+        for rotary in self.rotary:
+            rotary.ensure_positions(last)
+        return self.decoder.forward(hidden, positions, meta.slot_mapping, meta.block_tables,
+                                    meta.seq_lens_tensor, [r.cos_sin for r in self.rotary])

@@ -1,0 +1,191 @@
+// The torch-facing CPU ops: matmuls with packed weights (kernels.cpp), the fused float32 ops of
+// a decode step (fused_ops.cpp), and the whole-step decoder (decoder.cpp).
+//
+// A few activation rows (decode) run the direct kernels, which keep the weights packed. Many rows
+// (prefill) dequantize a tile of weight rows into a cache-sized buffer and hand it to the BLAS
+// matmul, which is faster than the direct kernel once the tile is reused enough.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+using namespace tianxia;
+
+void bind_decoder(pybind11::module& m);
+
+namespace {
+
+// dequantize row n of w into dst[K]
+inline void dequant_row(const Packed& w, int64_t n, float* dst) {
+  const uint8_t* q = w.qs + n * w.row_bytes();
+  const float* sc = w.scales + n * w.groups;
+  const float* mn = w.mins ? w.mins + n * w.groups : nullptr;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m256 d = _mm256_set1_ps(sc[g]);
+    const __m256 m = _mm256_set1_ps(mn ? mn[g] : 0.f);
+    if (w.bits == 4) {
+      __m256 v[4];
+      widen_q4(q + g * 16, v);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * 32 + i * 8, _mm256_fmadd_ps(v[i], d, m));
+    } else {
+      for (int64_t c = 0; c < w.group; c += 16) {
+        __m256 v[2];
+        widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * w.group + c, v);
+        for (int i = 0; i < 2; ++i)
+          _mm256_storeu_ps(dst + g * w.group + c + i * 8, _mm256_fmadd_ps(v[i], d, m));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// y = x @ w.T + bias, x [M, K] float32; int8: x rounded to 8 bits per 32 values first (see
+// kernels.cpp), for any number of rows, so decode and prefill see the same numbers
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, torch::Tensor mins,
+                            c10::optional<torch::Tensor> bias, int64_t bits, int64_t group, bool int8) {
+  const Packed w = unpack(qs, scales, mins, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.scalar_type() == torch::kFloat32,
+              "x must be float32 [M, ", w.K, "]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.N;
+  const float* b = nullptr;
+  torch::Tensor bias_t;
+  if (bias.has_value() && bias->defined()) {
+    bias_t = bias->contiguous();
+    b = bias_t.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  // the integer kernel stays ahead of dequantize-and-BLAS for two chunks of rows (a decode batch
+  // of up to 16, as the fused decoder takes)
+  if (M <= (int8 ? 2 * kMaxDirectRows : kMaxDirectRows)) {
+    Activations a;
+    a.prepare(x.data_ptr<float>(), M, w.K, w.mins != nullptr, int8);
+    small_matmul(w, a, b, out.data_ptr<float>());
+    return out;
+  }
+  if (int8 && w.K % 32 == 0) {
+    Activations a;
+    a.prepare(x.data_ptr<float>(), M, w.K, false, true);
+    x = torch::empty_like(x);
+    a.dequantized(x.data_ptr<float>());
+  }
+  // Each thread takes whole tiles of weight rows: it dequantizes one into its own buffer (about
+  // 256 KiB of float32, so it stays in that core's L2 cache) and multiplies it with a
+  // single-threaded BLAS call. No barrier between tiles, and no tile crosses cores.
+  // (as many tiles per thread for every thread, so that none waits for the last one)
+  const int64_t threads = at::get_num_threads(), budget = 256 << 10;
+  int64_t num_tiles = std::max<int64_t>(1, (N * w.K * 4 + budget - 1) / budget);
+  num_tiles = (num_tiles + threads - 1) / threads * threads;
+  const int64_t tile = ((N + num_tiles - 1) / num_tiles + 15) / 16 * 16;
+  num_tiles = (N + tile - 1) / tile;
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);  // thread-local: the caller's mode, so `out` may be written
+    auto buf = torch::empty({std::min(tile, N), w.K}, x.options());
+    float* bp = buf.data_ptr<float>();
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, nt = std::min(tile, N - n0);
+      for (int64_t r = 0; r < nt; ++r) dequant_row(w, n0 + r, bp + r * w.K);
+      out.narrow(1, n0, nt).copy_(torch::mm(x, buf.narrow(0, 0, nt).t()));
+    }
+  });
+  if (b) out.add_(bias_t);
+  return out;
+}
+
+// rows idx of w, dequantized: [len(idx), K] float32 (embedding lookups)
+torch::Tensor packed_rows(torch::Tensor idx, torch::Tensor qs, torch::Tensor scales, torch::Tensor mins,
+                          int64_t bits, int64_t group) {
+  const Packed w = unpack(qs, scales, mins, bits, group);
+  idx = idx.to(torch::kInt64).contiguous();
+  const int64_t R = idx.numel(), N = w.N;
+  auto out = torch::empty({R, w.K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "row index out of range");
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequant_row(w, ip[r], op + r * w.K);
+  });
+  return out;
+}
+
+// out = rmsnorm(x + residual) * (offset + weight); returns (out, x + residual)
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                    double eps, double offset) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32);
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t H = x.size(-1), T = x.numel() / H;
+  const bool has_res = residual.numel() > 0;
+  auto out = torch::empty_like(x);
+  torch::Tensor sum = has_res ? torch::empty_like(x) : x;
+  if (has_res) residual = residual.contiguous();
+  rms_norm_rows(x.data_ptr<float>(), has_res ? residual.data_ptr<float>() : nullptr, sum.data_ptr<float>(),
+                out.data_ptr<float>(), weight.data_ptr<float>(), T, H, (float)eps, (float)offset);
+  return {out, sum};
+}
+
+// in-place RoPE of q [T, Hq, D] and k [T, Hk, D] (innermost stride 1) from a [L, rd] cos|sin
+// table; false (nothing changed) when a position is past the table
+bool rope(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos_sin,
+          bool interleaved) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2));
+  TORCH_CHECK(cos_sin.is_contiguous());
+  positions = positions.to(torch::kInt64).contiguous();
+  const int64_t T = q.size(0), L = cos_sin.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    if (pp[t] < 0 || pp[t] >= L) return false;
+  rope_rows(q.data_ptr<float>(), q.stride(0), q.size(1), k.data_ptr<float>(), k.stride(0), k.size(1), q.size(2),
+            pp, T, cos_sin.data_ptr<float>(), cos_sin.size(1), interleaved);
+  return true;
+}
+
+// silu(x[:, :I]) * x[:, I:]
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32);
+  x = x.contiguous();
+  const int64_t I = x.size(-1) / 2, T = x.numel() / (2 * I);
+  auto sizes = x.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T * I, 2048, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t t = j / I, i = j % I;
+      const float g = xp[t * 2 * I + i];
+      op[j] = g / (1.0f + std::exp(-g)) * xp[t * 2 * I + I + i];
+    }
+  });
+  return out;
+}
+
+// attention of one query token per sequence over its paged K/V (float32 caches [blocks, bs, Hk, D]):
+// the decode half of a step, as one call for the whole batch
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           int64_t window, double softcap) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous());
+  q = q.to(torch::kFloat32).contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  auto out = torch::empty_like(q);
+  paged_decode_rows(q.data_ptr<float>(), Hq * D, out.data_ptr<float>(), Hq * D, k_cache.data_ptr<float>(),
+                    v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                    seq_lens.data_ptr<int64_t>(), B, Hq, k_cache.size(2), D, k_cache.size(1), (float)scale,
+                    window, (float)softcap);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "x @ dequant(w).T + bias with block-quantized w");
+  m.def("packed_rows", &packed_rows, "rows of a block-quantized matrix, dequantized");
+  m.def("rms_norm", &rms_norm, "fused residual add + RMSNorm");
+  m.def("rope", &rope, "in-place rotary embedding of q and k");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("paged_decode", &paged_decode, "one-token attention over paged float32 K/V");
+  bind_decoder(m);
+}

@@ -1,0 +1,207 @@
+// A whole decode step of a Llama-style decoder in one call: every layer's norms, projections
+// (packed or float32 weights), RoPE, K/V cache write, paged attention and MLP run here on
+// preallocated buffers, so Python dispatches one call per step instead of a dozen per layer.
+//
+// It covers what models/llama.py's module path computes for the families it supports (q/k/v
+// bias, q/k norms, sandwich norms, Gemma's offset norms, SiLU or tanh-GELU gating, partial and
+// interleaved RoPE, sliding windows, attention soft-capping), for steps of single-token
+// decodes with a float32 cache; anything else takes the module path.
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "kernels.h"
+
+namespace tianxia {
+namespace {
+
+struct Linear {
+  at::Tensor qs, scales, mins, bias;  // held so the pointers in w stay valid
+  Packed w;
+  const float* b = nullptr;
+};
+
+enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQ, kK, kNumNorms };
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  at::Tensor norms[kNumNorms];  // undefined where the model has none
+  at::Tensor k_cache, v_cache;   // [blocks, block_size, Hk, D] float32
+  int64_t rope = 0, window = 0;
+};
+
+inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+}  // namespace
+
+class Decoder {
+ public:
+  Decoder(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+          double eps, double norm_offset, double scale, double softcap, bool sandwich, bool gelu,
+          bool interleaved, bool int8, at::Tensor final_norm)
+      : H_(hidden), Hq_(num_heads), Hk_(num_kv_heads), D_(head_dim), I_(intermediate), eps_((float)eps),
+        offset_((float)norm_offset), scale_((float)scale), softcap_((float)softcap), sandwich_(sandwich),
+        gelu_(gelu), interleaved_(interleaved), int8_(int8), final_norm_(final_norm.contiguous()) {
+    TORCH_CHECK(final_norm_.scalar_type() == at::kFloat && final_norm_.numel() == H_, "bad final norm");
+  }
+
+  // linears: (qs, scales, mins, bias) of qkv, o, gate_up, down (an empty tensor for "none");
+  // formats: (bits, group) of each; norms: input, post-attention, pre- and post-feedforward, q, k
+  void add_layer(std::vector<at::Tensor> linears, std::vector<int64_t> formats, std::vector<at::Tensor> norms,
+                 at::Tensor kv_cache, int64_t rope, int64_t window) {
+    TORCH_CHECK(linears.size() == 16 && formats.size() == 8 && norms.size() == kNumNorms, "bad layer");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+                    kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_,
+                "the fused decoder needs a float32 cache [2, blocks, block_size, Hk, D]");
+    Layer l;
+    Linear* lin[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    const int64_t shapes[4][2] = {{(Hq_ + 2 * Hk_) * D_, H_}, {H_, Hq_ * D_}, {2 * I_, H_}, {H_, I_}};
+    for (int i = 0; i < 4; ++i) {
+      Linear& x = *lin[i];
+      x.qs = linears[4 * i].contiguous();
+      x.scales = linears[4 * i + 1].contiguous();
+      x.mins = linears[4 * i + 2].contiguous();
+      x.w = unpack(x.qs, x.scales, x.mins, formats[2 * i], formats[2 * i + 1]);
+      TORCH_CHECK(x.w.N == shapes[i][0] && x.w.K == shapes[i][1], "projection ", i, " has shape [", x.w.N, ", ",
+                  x.w.K, "], expected [", shapes[i][0], ", ", shapes[i][1], "]");
+      if (linears[4 * i + 3].numel() > 0) {
+        x.bias = linears[4 * i + 3].to(at::kFloat).contiguous();
+        TORCH_CHECK(x.bias.numel() == x.w.N, "bias of projection ", i, " has the wrong size");
+        x.b = x.bias.data_ptr<float>();
+      }
+    }
+    for (int i = 0; i < kNumNorms; ++i) {
+      if (norms[i].numel() == 0) continue;
+      l.norms[i] = norms[i].to(at::kFloat).contiguous();
+      TORCH_CHECK(l.norms[i].numel() == (i >= kQ ? D_ : H_), "norm ", i, " has the wrong size");
+    }
+    TORCH_CHECK(l.norms[kInput].defined() && l.norms[kPostAttention].defined(), "layer norms are missing");
+    TORCH_CHECK(!sandwich_ || (l.norms[kPreFeedforward].defined() && l.norms[kPostFeedforward].defined()),
+                "sandwich norms are missing");
+    l.k_cache = kv_cache[0];
+    l.v_cache = kv_cache[1];
+    l.rope = rope;
+    l.window = window;
+    layers_.push_back(std::move(l));
+  }
+
+  // hidden: [M, H] embedded tokens, one per sequence; returns the final-normed hidden states
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                     at::Tensor seq_lens, std::vector<at::Tensor> rope_tables) {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H_ && hidden.scalar_type() == at::kFloat, "bad hidden");
+    hidden = hidden.contiguous();
+    positions = positions.to(at::kLong).contiguous();
+    slots = slots.to(at::kLong).contiguous();
+    block_tables = block_tables.to(at::kLong).contiguous();
+    seq_lens = seq_lens.to(at::kLong).contiguous();
+    const int64_t M = hidden.size(0), Qs = Hq_ * D_, KVs = Hk_ * D_, QKV = Qs + 2 * KVs;
+    TORCH_CHECK(positions.numel() == M && slots.numel() == M && seq_lens.numel() == M &&
+                    block_tables.size(0) == M, "one token per sequence");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (const at::Tensor& t : rope_tables) {
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "bad RoPE table");
+      for (int64_t i = 0; i < M; ++i)
+        TORCH_CHECK(pos[i] >= 0 && pos[i] < t.size(0), "position ", pos[i], " is past the RoPE table");
+    }
+    h_.assign(hidden.data_ptr<float>(), hidden.data_ptr<float>() + M * H_);
+    res_.resize(M * H_);
+    n_.resize(M * H_);
+    qkv_.resize(M * QKV);
+    attn_.resize(M * Qs);
+    gu_.resize(M * 2 * I_);
+    act_.resize(M * I_);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    float* h = h_.data();
+    float* r = res_.data();
+    float* n = n_.data();
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      Layer& L = layers_[li];
+      if (li == 0) {
+        std::memcpy(r, h, sizeof(float) * M * H_);
+        rms_norm_rows(h, nullptr, nullptr, n, L.norms[kInput].data_ptr<float>(), M, H_, eps_, offset_);
+      } else {
+        rms_norm_rows(h, r, r, n, L.norms[kInput].data_ptr<float>(), M, H_, eps_, offset_);
+      }
+      linear(L.qkv, n, M, qkv_.data());
+      if (L.norms[kQ].defined()) {
+        for (int64_t t = 0; t < M; ++t) {
+          float* row = qkv_.data() + t * QKV;
+          rms_norm_rows(row, nullptr, nullptr, row, L.norms[kQ].data_ptr<float>(), Hq_, D_, eps_, offset_);
+          rms_norm_rows(row + Qs, nullptr, nullptr, row + Qs, L.norms[kK].data_ptr<float>(), Hk_, D_, eps_,
+                        offset_);
+        }
+      }
+      const at::Tensor& table = rope_tables.at(L.rope);
+      rope_rows(qkv_.data(), QKV, Hq_, qkv_.data() + Qs, QKV, Hk_, D_, pos, M, table.data_ptr<float>(),
+                table.size(1), interleaved_);
+      float* kc = L.k_cache.data_ptr<float>();
+      float* vc = L.v_cache.data_ptr<float>();
+      for (int64_t t = 0; t < M; ++t) {
+        std::memcpy(kc + slot[t] * KVs, qkv_.data() + t * QKV + Qs, sizeof(float) * KVs);
+        std::memcpy(vc + slot[t] * KVs, qkv_.data() + t * QKV + Qs + KVs, sizeof(float) * KVs);
+      }
+      paged_decode_rows(qkv_.data(), QKV, attn_.data(), Qs, kc, vc, block_tables.data_ptr<int64_t>(),
+                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), M, Hq_, Hk_, D_, L.k_cache.size(1),
+                        scale_, L.window, softcap_);
+      linear(L.o, attn_.data(), M, h);
+      if (!sandwich_) {
+        rms_norm_rows(h, r, r, n, L.norms[kPostAttention].data_ptr<float>(), M, H_, eps_, offset_);
+      } else {
+        rms_norm_rows(h, nullptr, nullptr, n, L.norms[kPostAttention].data_ptr<float>(), M, H_, eps_, offset_);
+        rms_norm_rows(n, r, r, n, L.norms[kPreFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
+      }
+      linear(L.gate_up, n, M, gu_.data());
+      gate(M);
+      linear(L.down, act_.data(), M, h);
+      if (sandwich_)
+        rms_norm_rows(h, nullptr, nullptr, h, L.norms[kPostFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
+    }
+    at::Tensor out = at::empty({M, H_}, hidden.options());
+    rms_norm_rows(h, r, r, out.data_ptr<float>(), final_norm_.data_ptr<float>(), M, H_, eps_, offset_);
+    return out;
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+ private:
+  void linear(const Linear& l, const float* x, int64_t M, float* out) {
+    a_.prepare(x, M, l.w.K, l.w.mins != nullptr, int8_ && int8_path(l.w));
+    small_matmul(l.w, a_, l.b, out);
+  }
+
+  void gate(int64_t M) {
+    const int64_t I = I_;
+    const float* g = gu_.data();
+    float* o = act_.data();
+    const bool gelu = gelu_;
+    at::parallel_for(0, M * I, 2048, [&](int64_t a, int64_t b) {
+      for (int64_t j = a; j < b; ++j) {
+        const int64_t t = j / I, i = j % I;
+        const float x = g[t * 2 * I + i];
+        const float act = gelu ? gelu_tanh(x) : x / (1.0f + std::exp(-x));
+        o[j] = act * g[t * 2 * I + I + i];
+      }
+    });
+  }
+
+  int64_t H_, Hq_, Hk_, D_, I_;
+  float eps_, offset_, scale_, softcap_;
+  bool sandwich_, gelu_, interleaved_, int8_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> h_, res_, n_, qkv_, attn_, gu_, act_;
+  Activations a_;
+};
+
+}  // namespace tianxia
+
+void bind_decoder(pybind11::module& m) {
+  pybind11::class_<tianxia::Decoder>(m, "Decoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, double, bool, bool,
+                          bool, bool, at::Tensor>())
+      .def("add_layer", &tianxia::Decoder::add_layer)
+      .def("forward", &tianxia::Decoder::forward)
+      .def_property_readonly("num_layers", &tianxia::Decoder::num_layers);
+}

@@ -1,0 +1,112 @@
+// Shared pieces of the CPU kernels (x86, AVX2 + FMA): the packed weight view and the products of
+// a few activation rows with it, used by the torch-facing ops (packed_gemm.cpp) and by the fused
+// decode step (decoder.cpp).
+//
+// Packed formats, all "w = q * scale + min" per group of consecutive elements of a row:
+//   bits=4:  qs [N, K/2] uint8, groups of 32; in group g of a row, byte j holds element j in its
+//            low nibble and element j+16 in its high nibble (ggml's Q4_0/Q4_1 layout);
+//   bits=8:  qs [N, K] int8, groups of `group` (a multiple of 16);
+//   bits=32: qs [N, K] float32, no scales (plain float weights in the fused decode step).
+// scales and mins are [N, K/group] float32; mins may be absent (w = q * scale).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace tianxia {
+
+constexpr int64_t kMaxDirectRows = 8;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  int64_t i = 0;
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < D; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void widen_q4(const uint8_t* p, __m256 w[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline void widen_q8x16(const int8_t* p, __m256 w[2]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+struct Packed {
+  const uint8_t* qs = nullptr;
+  const float* scales = nullptr;
+  const float* mins = nullptr;  // nullptr: no offsets
+  int64_t bits = 0, group = 0, K = 0, N = 0, groups = 0;
+  int64_t row_bytes() const { return bits == 4 ? K / 2 : bits == 8 ? K : 4 * K; }
+};
+
+// A packed weight from its tensors (checked); bits=32 takes a float32 [N, K] matrix as qs.
+Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
+              int64_t group);
+
+// Activation rows prepared for a product: float rows, their per-group sums (for weights with
+// mins) and, for the integer path, their 8-bit codes and per-32 scales.
+struct Activations {
+  const float* x = nullptr;
+  int64_t M = 0, K = 0;
+  std::vector<float> sums;   // [M, K / 16]: sums over each 16 elements
+  std::vector<int8_t> q8;    // [M, K]
+  std::vector<float> d8;     // [M, K / 32]
+  bool quantized = false;
+  // int8 (and K a multiple of 32): round each 32 values to 8-bit codes; the sums (for weights
+  // with mins) are then of the rounded values
+  void prepare(const float* rows, int64_t m, int64_t k, bool with_sums, bool int8);
+  // the rounded rows as float32 [M, K] (the prefill path multiplies these with BLAS)
+  void dequantized(float* out) const;
+};
+
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for all n, m < a.M (any M; rows go in chunks of
+// kMaxDirectRows, the weights are read once per chunk); parallel over n.
+void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out);
+
+// Whether the integer dot products (8-bit activations) are used for products with `w`.
+bool int8_path(const Packed& w);
+
+// ---- the float32 ops of a decode step, on raw rows ----
+
+// out = rmsnorm(x (+ res)) * (offset + w) over T rows of H; with res, sum_out gets x + res
+void rms_norm_rows(const float* x, const float* res, float* sum_out, float* out, const float* w,
+                   int64_t T, int64_t H, float eps, float offset);
+
+// in-place RoPE of T tokens: q has Hq heads, k Hk heads of D floats (row strides sq, sk), rotated
+// over the first rd dims from the [*, rd] cos|sin table rows pos[t]
+void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t Hk, int64_t D,
+               const int64_t* pos, int64_t T, const float* cos_sin, int64_t rd, bool interleaved);
+
+// attention of B single query tokens (q rows of Hq*D floats, stride sq) over their paged K/V
+// (caches [blocks, bs, Hk, D]); out rows of Hq*D floats (stride so)
+void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const float* k_cache,
+                       const float* v_cache, const int64_t* block_tables, int64_t max_blocks,
+                       const int64_t* seq_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                       int64_t block_size, float scale, int64_t window, float softcap);
+
+}  // namespace tianxia
