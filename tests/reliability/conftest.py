@@ -13,18 +13,7 @@ from pathlib import Path
 
 import pytest
 from reliability_helpers import API_KEY, GUARDED_ARGS, MODEL, SMALL_ARGS, fault_env
-
-from tianxia.server.testing import ServerProcess
-
-
-def _serve(args: list[str], env: dict[str, str] | None = None):
-    srv = ServerProcess(args, env=env)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log()[-3000:]
+from reliability_helpers import serve as _serve
 
 
 @pytest.fixture(scope="session")

@@ -42,3 +42,16 @@ def assert_openai_error(resp: httpx.Response) -> dict:
     assert set(err) == {"message", "type", "param", "code"}, body
     assert isinstance(err["message"], str) and err["message"], body
     return err
+
+
+def serve(args: list[str], env: dict[str, str] | None = None):
+    """A fixture body: a ``tianxia serve`` process for the test, which must exit 0 on SIGTERM."""
+    from tianxia.server.testing import ServerProcess
+
+    srv = ServerProcess(args, env=env)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.log()[-3000:]

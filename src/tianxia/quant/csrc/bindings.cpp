@@ -181,11 +181,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "x @ dequant(w).T + bias with block-quantized w");
-  m.def("packed_rows", &packed_rows, "rows of a block-quantized matrix, dequantized");
-  m.def("rms_norm", &rms_norm, "fused residual add + RMSNorm");
-  m.def("rope", &rope, "in-place rotary embedding of q and k");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("paged_decode", &paged_decode, "one-token attention over paged float32 K/V");
+  // The kernels touch no Python object: the GIL is released while they run, so the server's event
+  // loop (streaming the previous step's tokens) is not held up by a whole engine step.
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("packed_linear", &packed_linear, release, "x @ dequant(w).T + bias with block-quantized w");
+  m.def("packed_rows", &packed_rows, release, "rows of a block-quantized matrix, dequantized");
+  m.def("rms_norm", &rms_norm, release, "fused residual add + RMSNorm");
+  m.def("rope", &rope, release, "in-place rotary embedding of q and k");
+  m.def("silu_and_mul", &silu_and_mul, release, "silu(gate) * up");
+  m.def("paged_decode", &paged_decode, release, "one-token attention over paged float32 K/V");
   bind_decoder(m);
 }

@@ -202,6 +202,6 @@ void bind_decoder(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, double, bool, bool,
                           bool, bool, at::Tensor>())
       .def("add_layer", &tianxia::Decoder::add_layer)
-      .def("forward", &tianxia::Decoder::forward)
+      .def("forward", &tianxia::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &tianxia::Decoder::num_layers);
 }
