@@ -165,7 +165,9 @@ class Sampler:
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = self._process(logits, batch)
         dead_rows: list[int] = []
-        if any(g is not None for g in batch.grammars) or any(a is not None for a in batch.allowed) or any(batch.banned):
+        constrained = (any(g is not None for g in batch.grammars) or any(batch.banned)
+                       or any(a is not None for a in batch.allowed))
+        if constrained:
             dead = torch.isneginf(logits).all(dim=-1)
             if bool(dead.any()):
                 dead_rows = dead.nonzero().flatten().tolist()

@@ -150,15 +150,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto sizes = x.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * I, 2048, [&](int64_t a, int64_t b) {
-    for (int64_t j = a; j < b; ++j) {
-      const int64_t t = j / I, i = j % I;
-      const float g = xp[t * 2 * I + i];
-      op[j] = g / (1.0f + std::exp(-g)) * xp[t * 2 * I + I + i];
-    }
-  });
+  gated_act_rows(x.data_ptr<float>(), out.data_ptr<float>(), T, I, false);
   return out;
 }
 

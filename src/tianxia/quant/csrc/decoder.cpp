@@ -30,10 +30,6 @@ struct Layer {
   int64_t rope = 0, window = 0;
 };
 
-inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-
 }  // namespace
 
 class Decoder {
@@ -153,7 +149,7 @@ class Decoder {
         rms_norm_rows(n, r, r, n, L.norms[kPreFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
       }
       linear(L.gate_up, n, M, gu_.data());
-      gate(M);
+      gated_act_rows(gu_.data(), act_.data(), M, I_, gelu_);
       linear(L.down, act_.data(), M, h);
       if (sandwich_)
         rms_norm_rows(h, nullptr, nullptr, h, L.norms[kPostFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
@@ -169,21 +165,6 @@ class Decoder {
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     a_.prepare(x, M, l.w.K, l.w.mins != nullptr, int8_ && int8_path(l.w));
     small_matmul(l.w, a_, l.b, out);
-  }
-
-  void gate(int64_t M) {
-    const int64_t I = I_;
-    const float* g = gu_.data();
-    float* o = act_.data();
-    const bool gelu = gelu_;
-    at::parallel_for(0, M * I, 2048, [&](int64_t a, int64_t b) {
-      for (int64_t j = a; j < b; ++j) {
-        const int64_t t = j / I, i = j % I;
-        const float x = g[t * 2 * I + i];
-        const float act = gelu ? gelu_tanh(x) : x / (1.0f + std::exp(-x));
-        o[j] = act * g[t * 2 * I + I + i];
-      }
-    });
   }
 
   int64_t H_, Hq_, Hk_, D_, I_;

@@ -1,5 +1,5 @@
-// The float32 ops of a decode step on raw rows: residual add + RMSNorm, RoPE and paged one-token
-// attention. The torch-facing ops (bindings.cpp) and the fused decode step (decoder.cpp) share them.
+// The float32 ops of a decode step on raw rows: residual add + RMSNorm, RoPE, the gated MLP
+// activation and paged one-token attention. The torch-facing ops (bindings.cpp) and the fused decode step (decoder.cpp) share them.
 #include "kernels.h"
 
 namespace tianxia {
@@ -48,6 +48,18 @@ void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t H
       const float* s = c + half;
       for (int64_t h = 0; h < Hq; ++h) rotate(q + t * sq + h * D, c, s);
       for (int64_t h = 0; h < Hk; ++h) rotate(k + t * sk + h * D, c, s);
+    }
+  });
+}
+
+void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu) {
+  at::parallel_for(0, T * I, 2048, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t t = j / I, i = j % I;
+      const float g = x[t * 2 * I + i];
+      const float act = gelu ? 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                             : g / (1.0f + std::exp(-g));
+      out[j] = act * x[t * 2 * I + I + i];
     }
   });
 }

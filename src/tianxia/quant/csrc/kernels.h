@@ -102,6 +102,9 @@ void rms_norm_rows(const float* x, const float* res, float* sum_out, float* out,
 void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t Hk, int64_t D,
                const int64_t* pos, int64_t T, const float* cos_sin, int64_t rd, bool interleaved);
 
+// out[t, i] = act(x[t, i]) * x[t, I + i] over T rows of 2I: SiLU, or tanh-GELU with gelu
+void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu);
+
 // attention of B single query tokens (q rows of Hq*D floats, stride sq) over their paged K/V
 // (caches [blocks, bs, Hk, D]); out rows of Hq*D floats (stride so)
 void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const float* k_cache,
