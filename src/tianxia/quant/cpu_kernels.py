@@ -57,8 +57,9 @@ def fused_ops(t: torch.Tensor):
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
-    """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds a few rows (decode) to 8-bit
-    codes for integer dot products (faster, llama.cpp's numerics)."""
+    """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds every row to 8-bit codes per
+    32 values first (llama.cpp's numerics): a few rows (decode) then take integer dot products,
+    many rows (prefill) multiply the rounded values with BLAS. The torch fallback stays float."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
