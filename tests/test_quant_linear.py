@@ -13,7 +13,14 @@ from tianxia import LLM, SamplingParams
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
 from tianxia.quant import cpu_kernels
 from tianxia.quant.gguf_codecs import dequantize
-from tianxia.quant.packed import PACKABLE_TYPES, concat_rows, from_gguf, quantize_float
+from tianxia.quant.packed import (
+    PACKABLE_TYPES,
+    PackedWeight,
+    _pack_blocks,
+    concat_rows,
+    from_gguf,
+    quantize_float,
+)
 from tianxia.quant.quantize import quantize_array
 
 ROWS, COLS = 40, 512  # 512: two k-quant super-blocks per row
@@ -40,8 +47,14 @@ def _check_products(packed, reference: torch.Tensor, bias: torch.Tensor | None =
 def test_packed_matmul_equals_dequantize_then_matmul(qtype):
     raw, reference = _gguf_matrix(qtype)
     packed = from_gguf(raw, qtype, (ROWS, COLS))
-    # 4-bit types keep 4-bit codes, the others take 8-bit codes; never a float copy
-    assert packed.bits == (4 if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else 8)
+    # the codes keep their width (Q2_K and Q3_K take 8 bits); never a float copy
+    width = {QT.Q4_0: 4, QT.Q4_1: 4, QT.Q4_K: 4, QT.Q5_0: 5, QT.Q5_1: 5, QT.Q5_K: 5, QT.Q6_K: 6}
+    assert packed.bits == width.get(qtype, 8)
+    # the file's own scales are float16: kept at that size, so these formats take as much memory
+    # as in the GGUF file (Q4_0 adds its implied min, -8 * d, per block)
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0):
+        implied = ROWS * COLS // 32 * 2 if qtype == QT.Q4_0 else 0
+        assert packed.scales.dtype == torch.float16 and packed.nbytes == raw.numel() + implied
     assert packed.nbytes <= 0.4 * ROWS * COLS * 4
     assert torch.allclose(packed.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max())
     _check_products(packed, reference, bias=torch.randn(ROWS))
@@ -74,6 +87,19 @@ def test_fused_rows_of_mixed_types_stay_exact():
     reference = torch.cat([ref for _, ref in parts])
     assert packed.bits == 8 and packed.group == 16
     _check_products(packed, reference)
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_sub_byte_codes_round_trip(bits):
+    # every code value at every position of a block, through the bit planes and back
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+    q = torch.arange(ROWS * COLS).reshape(ROWS, COLS) % (hi - lo) + lo
+    q = q[:, torch.randperm(COLS)]
+    packed = PackedWeight(_pack_blocks(q, bits, ROWS), torch.ones(ROWS, COLS // 32, dtype=torch.float16), None,
+                          bits, 32, f"{bits}-bit")
+    assert packed.qs.shape == (ROWS, COLS * bits // 8)
+    assert torch.equal(packed.ints(), q.to(torch.int16))
+    assert torch.equal(cpu_kernels.packed_rows(torch.arange(ROWS), packed), q.float())
 
 
 @pytest.mark.parametrize("method", ["q8_0", "q4_0", "int8", "int4"])

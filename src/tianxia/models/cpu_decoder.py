@@ -40,7 +40,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(proj, QuantizedLinear) and proj.weight.dtype != torch.float32:
                 return "weights are neither packed nor float32"
-            if isinstance(proj, QuantizedLinear) and proj.bits not in (4, 8):
+            if isinstance(proj, QuantizedLinear) and proj.bits not in (4, 5, 6, 8):
                 return "a packed weight has an unsupported layout"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if not all(type(n) is type(norms[0]) and type(n) in (RMSNorm, GemmaRMSNorm) for n in norms):

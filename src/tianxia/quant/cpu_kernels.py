@@ -39,7 +39,7 @@ def extension():
             name="tianxia_cpu_kernels",
             sources=[str(_CSRC / f) for f in _SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

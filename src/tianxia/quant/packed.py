@@ -1,21 +1,30 @@
 """Block-quantized weights kept packed in memory, and their conversions.
 
 A :class:`PackedWeight` stores an ``[N, K]`` matrix as ``w = q * scale + min`` per group of
-consecutive elements of a row, in one of two layouts that the CPU kernels
-(:mod:`tianxia.quant.cpu_kernels`) multiply with directly:
+consecutive elements of a row, in a layout that the CPU kernels
+(:mod:`tianxia.quant.cpu_kernels`) multiply with directly. Rows are blocks of 32 codes:
 
-- ``bits=4``: ``qs`` is ``[N, K/2]`` uint8, groups of 32, ggml's nibble order (byte ``j`` of a group
-  holds element ``j`` in its low and ``j + 16`` in its high nibble);
-- ``bits=8``: ``qs`` is ``[N, K]`` int8 (stored as uint8 bytes), groups of 16 or more.
+- ``bits=4``: 16 bytes per block, ggml's nibble order (byte ``j`` holds element ``j`` in its low
+  and ``j + 16`` in its high nibble); codes 0..15, groups of 32;
+- ``bits=5``: 20 bytes per block, the codes' low 4 bits as for ``bits=4``, then 4 bytes whose byte
+  ``j`` bit ``i`` is bit 4 of element ``4i + j``; codes are those 5 bits minus 16, groups of 32;
+- ``bits=6``: 24 bytes per block, the low 4 bits as for ``bits=4``, then 8 bytes whose byte ``j``
+  bits ``2i, 2i+1`` are bits 4 and 5 of element ``8i + j``; codes are those 6 bits minus 32,
+  groups of 16 or 32;
+- ``bits=8``: ``[N, K]`` int8 (stored as uint8 bytes), groups of 16 or more.
 
-``scales`` and ``mins`` are float32 ``[N, K/group]``; ``mins`` is None for symmetric formats.
+The high bits sit in planes so that AVX2 spreads them over a block with one variable shift.
+``scales`` and ``mins`` are ``[N, K/group]``, float16 where every value is exactly a float16 (the
+``d`` of Q4_0, Q4_1, Q5_0, Q8_0: what the GGUF file stores), float32 otherwise (k-quant scales
+``d * sc`` are products that float16 cannot hold); ``mins`` is None for symmetric formats.
 
 GGUF blocks map onto these layouts without loss (:func:`from_gguf`): Q4_0, Q4_1 and Q4_K become
-4-bit groups of 32; Q5_0, Q5_1, Q5_K and Q8_0 8-bit groups of 32; Q6_K, Q3_K and Q2_K 8-bit groups
-of 16 (their sub-block scales are per 16 elements). Each (scale, min) is the float32 value ggml's
-own dequantization computes (``d * sc``, ``-dmin * m``), so the only difference from
-:func:`tianxia.quant.gguf_codecs.dequantize` is float rounding in the kernel. The IQ types and
-float tensors have no packed form; they stay float.
+4-bit groups of 32; Q5_0, Q5_1 and Q5_K 5-bit groups of 32; Q6_K 6-bit groups of 16; Q8_0 8-bit
+groups of 32; Q3_K and Q2_K 8-bit groups of 16 (their sub-block scales are per 16 elements). Each
+(scale, min) is the float32 value ggml's own dequantization computes (``d * sc``, ``-dmin * m``;
+for 5-bit codes with a min, ``min + 16 * scale``, as the codes are stored centred), so the only
+difference from :func:`tianxia.quant.gguf_codecs.dequantize` is float rounding in the kernel. The
+IQ types and float tensors have no packed form; they stay float.
 """
 
 from __future__ import annotations
@@ -61,18 +70,26 @@ class PackedWeight:
     def ints(self) -> torch.Tensor:
         """The integer codes as an int16 ``[N, K]`` tensor."""
         n = self.qs.shape[0]
+        if self.bits == 8:
+            return self.qs.view(torch.int8).to(torch.int16)
+        blocks = self.qs.reshape(n, -1, 4 * self.bits)
+        # per 16 bytes: 16 low, then 16 high nibbles
+        q = _nibbles(blocks[:, :, :16].reshape(n, -1), 16).to(torch.int16).reshape(n, -1, 32)
         if self.bits == 4:
-            q = _nibbles(self.qs.reshape(n, -1), 16)  # per 16 bytes: 16 low, then 16 high nibbles
-            return q.to(torch.int16)
-        return self.qs.view(torch.int8).to(torch.int16)
+            return q.reshape(n, -1)
+        planes, width = (8, 1) if self.bits == 5 else (4, 2)
+        high = blocks[:, :, 16:].to(torch.int16)
+        shifts = torch.arange(planes, dtype=torch.int16)[:, None] * width
+        high = (high[:, :, None, :] >> shifts) & ((1 << width) - 1)  # [n, blocks, plane, byte]
+        return (q | (high.reshape(n, -1, 32) << 4)).reshape(n, -1) - (1 << (self.bits - 1))
 
     def dequantize(self) -> torch.Tensor:
         """Float32 ``[N, K]``, computed in torch (the reference for the kernels)."""
         n, k = self.shape
         q = self.ints().to(torch.float32).reshape(n, -1, self.group)
-        w = q * self.scales[:, :, None]
+        w = q * self.scales.float()[:, :, None]
         if self.mins is not None:
-            w = w + self.mins[:, :, None]
+            w = w + self.mins.float()[:, :, None]
         return w.reshape(n, k)
 
     def select_rows(self, index: torch.Tensor) -> PackedWeight:
@@ -100,12 +117,13 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     else:
         group = min(p.group for p in parts)
         same = [p.as_int8(group) for p in parts]
+    dtype = same[0].scales.dtype if len({p.scales.dtype for p in same}) == 1 else torch.float32
     with_mins = any(p.mins is not None for p in same)
     mins = None
     if with_mins:
-        mins = torch.cat([p.mins if p.mins is not None else torch.zeros_like(p.scales) for p in same])
+        mins = torch.cat([(p.mins if p.mins is not None else torch.zeros_like(p.scales)).to(dtype) for p in same])
     sources = sorted({p.source for p in parts})
-    return PackedWeight(torch.cat([p.qs for p in same]), torch.cat([p.scales for p in same]), mins,
+    return PackedWeight(torch.cat([p.qs for p in same]), torch.cat([p.scales.to(dtype) for p in same]), mins,
                         same[0].bits, same[0].group, "+".join(sources))
 
 
@@ -113,6 +131,24 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[..., 32] codes in 0..15 -> [..., 16] bytes in ggml's order."""
     q = q.to(torch.uint8)
     return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _pack_blocks(q: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """Signed codes ``[..., 32]`` per block -> the 5- or 6-bit rows ``[rows, K * bits / 8]``."""
+    u = (q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8).reshape(rows, -1, 32)
+    planes, width = (8, 1) if bits == 5 else (4, 2)
+    high = (u >> 4).reshape(rows, -1, planes, 32 // planes)
+    shifts = torch.arange(planes, dtype=torch.uint8)[:, None] * width
+    plane_bytes = (high << shifts).sum(dim=2, dtype=torch.uint8)  # disjoint bits: the sum is an or
+    return torch.cat([_pack_nibbles(u & 0x0F), plane_bytes], dim=2).reshape(rows, -1)
+
+
+def _compact(t: torch.Tensor | None) -> torch.Tensor | None:
+    """float16 where that holds every value exactly, else float32."""
+    if t is None:
+        return None
+    half = t.to(torch.float16)
+    return half if torch.equal(half.to(torch.float32), t) else t
 
 
 def _q8(q: torch.Tensor, rows: int) -> torch.Tensor:
@@ -147,19 +183,19 @@ def _decompose(blocks: torch.Tensor, qtype: QT):
         q = (_nibbles(qs, 16) | (_bits(qh) << 4)).to(torch.int16)
         if qtype == QT.Q5_0:
             q = q - 16
-        return q.reshape(nb, 1, 32), _f16(d), m, 8
+        return q.reshape(nb, 1, 32), _f16(d), m, 5
     if qtype == QT.Q5_K:
         d, dmin, scales, qh, qs = _split(blocks, 2, 2, 12, 32, 128)
         sc, mn = _k_scale_min(scales)
         hb = (qh.reshape(nb, 1, 32) >> _shifts(list(range(8)), (1, 8, 1), qh)) & 1
         q = _nibbles(qs, 32).reshape(nb, 8, 32) | (hb << 4)
-        return q, _f16(d) * sc.float(), -(_f16(dmin) * mn.float()), 8
+        return q, _f16(d) * sc.float(), -(_f16(dmin) * mn.float()), 5
     if qtype == QT.Q6_K:
         ql, qh, scales, d = _split(blocks, 128, 64, 16, 2)
         lo = _nibbles(ql, 64).reshape(nb, 8, 32)
         hi = ((qh.reshape(nb, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), qh)) & 3).reshape(nb, 8, 32)
         q = (lo | (hi << 4)).to(torch.int16) - 32
-        return q.reshape(nb, 16, 16), _f16(d) * scales.contiguous().view(torch.int8).float(), None, 8
+        return q.reshape(nb, 16, 16), _f16(d) * scales.contiguous().view(torch.int8).float(), None, 6
     if qtype == QT.Q2_K:
         scales, qs, d, dmin = _split(blocks, 16, 64, 2, 2)
         q = ((qs.reshape(nb, 2, 1, 32) >> _shifts([0, 2, 4, 6], (1, 1, 4, 1), qs)) & 3).reshape(nb, 16, 16)
@@ -192,12 +228,19 @@ def from_gguf(raw: torch.Tensor | np.ndarray, qtype: QT | int, shape: tuple[int,
     q, scale, mn, bits = _decompose(data, qtype)
     groups = q.shape[0] * q.shape[1] // rows
     group = cols // groups
+    if bits == 5 and mn is not None:  # Q5_1, Q5_K: unsigned codes, stored centred
+        q = q.to(torch.int16) - 16
+        mn = mn + 16 * scale
     if bits == 4:
         qs = q.reshape(rows, cols // 2).contiguous()
+    elif bits in (5, 6):
+        qs = _pack_blocks(q, bits, rows).contiguous()
     else:
         qs = _q8(q, rows).contiguous()
     scales = scale.reshape(rows, groups).contiguous()
     mins = None if mn is None else mn.reshape(rows, groups).contiguous()
+    if mins is None or _compact(mins).dtype == _compact(scales).dtype:
+        scales, mins = _compact(scales), _compact(mins)
     return PackedWeight(qs, scales, mins, bits, group, qtype.name)
 
 
@@ -214,20 +257,31 @@ def quantize_float(w: torch.Tensor, method: str) -> PackedWeight:
         raw = quantize_array(w.contiguous().numpy(), qtype)
         return from_gguf(raw, qtype, (rows, cols))
     if method == "int8":
-        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        scale = _half_if_finite(w.abs().amax(dim=1, keepdim=True) / 127)
         q = torch.where(scale > 0, w / scale, torch.zeros_like(w)).round().clamp(-127, 127)
         pad = (-cols) % 16
         if pad:  # the layout needs whole 16-element chunks; a row is one group here
             raise ValueError(f"int8 needs rows of a multiple of 16 elements, got {cols}")
-        return PackedWeight(_q8(q, rows).contiguous(), scale.contiguous(), None, 8, cols, "int8")
+        return PackedWeight(_q8(q, rows).contiguous(), _compact(scale.contiguous()), None, 8, cols, "int8")
     if method == "int4":
         if cols % 32:
             raise ValueError(f"int4 needs rows of a multiple of 32 elements, got {cols}")
         g = w.reshape(rows, -1, 32)
         lo, hi = g.amin(-1), g.amax(-1)
-        scale = (hi - lo) / 15
+        scale = _half_if_finite((hi - lo) / 15)
+        lo = _half_if_finite(lo)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15)
-        return PackedWeight(_pack_nibbles(q).reshape(rows, cols // 2).contiguous(), scale.contiguous(),
-                            lo.contiguous(), 4, 32, "int4")
+        scale, lo = scale.contiguous(), lo.contiguous()
+        if _compact(scale).dtype == _compact(lo).dtype:
+            scale, lo = _compact(scale), _compact(lo)
+        return PackedWeight(_pack_nibbles(q).reshape(rows, cols // 2).contiguous(), scale, lo, 4, 32, "int4")
     raise ValueError(f"unknown quantization method {method!r}")
+
+
+def _half_if_finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to float16 values (kept as float32) where they stay finite and nonzero ones
+    stay nonzero, so the codes are chosen for the scales that will be stored."""
+    half = t.to(torch.float16).to(torch.float32)
+    ok = torch.isfinite(half).all() and bool(((half != 0) | (t == 0)).all())
+    return half if ok else t

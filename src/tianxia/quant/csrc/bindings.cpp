@@ -15,25 +15,44 @@ void bind_decoder(pybind11::module& m);
 namespace {
 
 // dequantize row n of w into dst[K]
-inline void dequant_row(const Packed& w, int64_t n, float* dst) {
+template <typename S>
+void dequant_row_as(const Packed& w, int64_t n, float* dst) {
   const uint8_t* q = w.qs + n * w.row_bytes();
-  const float* sc = w.scales + n * w.groups;
-  const float* mn = w.mins ? w.mins + n * w.groups : nullptr;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const __m256 d = _mm256_set1_ps(sc[g]);
-    const __m256 m = _mm256_set1_ps(mn ? mn[g] : 0.f);
-    if (w.bits == 4) {
-      __m256 v[4];
-      widen_q4(q + g * 16, v);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * 32 + i * 8, _mm256_fmadd_ps(v[i], d, m));
-    } else {
-      for (int64_t c = 0; c < w.group; c += 16) {
+  const S* sc = w.scales_of<S>(n);
+  const S* mn = w.mins_of<S>(n);
+  const int64_t G = w.group;
+  if (w.bits == 8) {
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const __m256 d = _mm256_set1_ps(to_float(sc[g])), m = _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f);
+      for (int64_t c = 0; c < G; c += 16) {
         __m256 v[2];
-        widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * w.group + c, v);
-        for (int i = 0; i < 2; ++i)
-          _mm256_storeu_ps(dst + g * w.group + c + i * 8, _mm256_fmadd_ps(v[i], d, m));
+        widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * G + c, v);
+        for (int i = 0; i < 2; ++i) _mm256_storeu_ps(dst + g * G + c + i * 8, _mm256_fmadd_ps(v[i], d, m));
       }
     }
+    return;
+  }
+  for (int64_t b = 0; b < w.K / 32; ++b) {  // blocks of 32 codes, in one or two groups
+    const uint8_t* p = q + b * 4 * w.bits;
+    __m256 v[4];
+    if (w.bits == 4) {
+      widen_q4(p, v);
+    } else {
+      widen_i8x32(w.bits == 5 ? codes32<5>(p) : codes32<6>(p), v);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int64_t g = (b * 32 + i * 8) / G;
+      const __m256 d = _mm256_set1_ps(to_float(sc[g])), m = _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f);
+      _mm256_storeu_ps(dst + b * 32 + i * 8, _mm256_fmadd_ps(v[i], d, m));
+    }
+  }
+}
+
+inline void dequant_row(const Packed& w, int64_t n, float* dst) {
+  if (w.half) {
+    dequant_row_as<uint16_t>(w, n, dst);
+  } else {
+    dequant_row_as<float>(w, n, dst);
   }
 }
 

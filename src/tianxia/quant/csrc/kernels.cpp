@@ -11,6 +11,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <utility>
+
 namespace tianxia {
 
 Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
@@ -25,19 +28,26 @@ Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& 
     p.K = qs.size(1);
     return p;
   }
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4, 8 or 32");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat, "scales must be contiguous float32");
-  TORCH_CHECK(bits == 8 ? group % 16 == 0 : group == 32, "unsupported group size ", group);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6, 8 or 32");
+  TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "scales must be contiguous float16 or float32");
+  TORCH_CHECK(bits == 8   ? group % 16 == 0
+              : bits == 6 ? (group == 16 || group == 32)
+                          : group == 32,
+              "unsupported group size ", group, " for ", bits, "-bit codes");
   p.group = group;
   p.groups = scales.size(1);
   p.N = scales.size(0);
   p.K = p.groups * group;
-  TORCH_CHECK(qs.size(1) == (bits == 4 ? p.K / 2 : p.K), "qs and scales disagree on the row length");
+  TORCH_CHECK(p.K % 32 == 0 || bits == 8, "rows of ", bits, "-bit codes are whole blocks of 32");
+  TORCH_CHECK(qs.size(1) == p.row_bytes(), "qs and scales disagree on the row length");
   p.qs = qs.data_ptr<uint8_t>();
-  p.scales = scales.data_ptr<float>();
+  p.half = scales.scalar_type() == at::kHalf;
+  p.scales = scales.data_ptr();
   if (mins.defined() && mins.numel() > 0) {
-    TORCH_CHECK(mins.is_contiguous() && mins.sizes() == scales.sizes(), "mins must match scales");
-    p.mins = mins.data_ptr<float>();
+    TORCH_CHECK(mins.is_contiguous() && mins.sizes() == scales.sizes() && mins.scalar_type() == scales.scalar_type(),
+                "mins must match scales");
+    p.mins = mins.data_ptr();
   }
   return p;
 }
@@ -100,11 +110,11 @@ void Activations::dequantized(float* out) const {
   for (int64_t i = 0; i < M * K; ++i) out[i] = d8[i / 32] * (float)q8[i];
 }
 
-bool int8_path(const Packed& w) { return (w.bits == 4 || w.bits == 8) && w.K % 32 == 0; }
+bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
 
 namespace {
 
-template <int MR>
+template <int MR, typename S>
 void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
                 float* out, int64_t n0, int64_t n1) {
   const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N;
@@ -123,84 +133,94 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
       }
       for (; k < K; ++k)
         for (int m = 0; m < MR; ++m) off[m] += wr[k] * x[m * K + k];
-    } else {
-      const float* sc = w.scales + n * ng;
-      const float* mn = w.mins ? w.mins + n * ng : nullptr;
+    } else if (w.bits == 8) {
+      const S* sc = w.scales_of<S>(n);
       for (int64_t g = 0; g < ng; ++g) {
-        const __m256 d = _mm256_set1_ps(sc[g]);
-        if (w.bits == 4) {
-          __m256 v[4];
-          widen_q4(q + g * 16, v);
+        __m256 t[MR];
+        for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < G; c += 16) {
+          __m256 v[2];
+          widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * G + c, v);
           for (int m = 0; m < MR; ++m) {
-            const float* xp = x + m * K + g * 32;
-            __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xp));
-            t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), t);
-            t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xp + 16), t);
-            t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), t);
-            acc[m] = _mm256_fmadd_ps(d, t, acc[m]);
+            const float* xp = x + m * K + g * G + c;
+            t[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xp), t[m]);
+            t[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), t[m]);
           }
+        }
+        const __m256 d = _mm256_set1_ps(to_float(sc[g]));
+        for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(d, t[m], acc[m]);
+      }
+    } else {  // blocks of 32 codes, one or two scales each
+      const S* sc = w.scales_of<S>(n);
+      const int64_t block_bytes = 4 * w.bits;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 v[4];
+        const uint8_t* p = q + b * block_bytes;
+        if (w.bits == 4) {
+          widen_q4(p, v);
         } else {
-          __m256 t[MR];
-          for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < G; c += 16) {
-            __m256 v[2];
-            widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * G + c, v);
-            for (int m = 0; m < MR; ++m) {
-              const float* xp = x + m * K + g * G + c;
-              t[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xp), t[m]);
-              t[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), t[m]);
-            }
+          widen_i8x32(w.bits == 5 ? codes32<5>(p) : codes32<6>(p), v);
+        }
+        const __m256 d0 = _mm256_set1_ps(to_float(sc[G == 32 ? b : 2 * b]));
+        const __m256 d1 = G == 32 ? d0 : _mm256_set1_ps(to_float(sc[2 * b + 1]));
+        for (int m = 0; m < MR; ++m) {
+          const float* xp = x + m * K + b * 32;
+          const __m256 t0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
+          const __m256 t1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
+          if (G == 32) {
+            acc[m] = _mm256_fmadd_ps(d0, _mm256_add_ps(t0, t1), acc[m]);
+          } else {
+            acc[m] = _mm256_fmadd_ps(d1, t1, _mm256_fmadd_ps(d0, t0, acc[m]));
           }
-          for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(d, t[m], acc[m]);
         }
       }
-      if (mn)
-        for (int m = 0; m < MR; ++m) off[m] += dot(mn, gsum + (m0 + m) * ng, ng);
     }
+    if (const S* mn = w.mins_of<S>(n))
+      for (int m = 0; m < MR; ++m) off[m] += dot_scales(mn, gsum + (m0 + m) * ng, ng);
     const float b = bias ? bias[n] : 0.f;
     for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + b;
   }
 }
 
-template <int MR, int BITS>
+template <int MR, int BITS, typename S>
 void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
                float* out, int64_t n0, int64_t n1) {
   const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N, nb = K / 32;
   const int8_t* xq = a.q8.data() + m0 * K;
   const float* xd = a.d8.data() + m0 * nb;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[MR];
     float off[MR];
     for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
     const uint8_t* q = w.qs + n * w.row_bytes();
-    const float* sc = w.scales + n * ng;
-    const float* mn = w.mins ? w.mins + n * ng : nullptr;
+    const S* sc = w.scales_of<S>(n);
     for (int64_t b = 0; b < nb; ++b) {
       __m256i wv, sw;
       __m256 scale;
-      if (BITS == 4) {  // unsigned codes 0..15: maddubs takes them as they are
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-        wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-        scale = _mm256_set1_ps(sc[b]);
+      if constexpr (BITS == 4) {  // unsigned codes 0..15: maddubs takes them as they are
+        wv = codes32<4>(q + b * 16);
+        scale = _mm256_set1_ps(to_float(sc[b]));
       } else {  // signed codes: |w| times x with w's sign (ggml's trick, maddubs is u8 x s8)
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
-        wv = _mm256_sign_epi8(raw, raw);
-        sw = raw;
-        scale = G >= 32 ? _mm256_set1_ps(sc[b * 32 / G])
-                        : _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1]), _mm_set1_ps(sc[2 * b]));
+        if constexpr (BITS == 8) {
+          sw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+        } else {
+          sw = codes32<BITS>(q + b * 4 * BITS);
+        }
+        wv = _mm256_sign_epi8(sw, sw);
+        scale = G >= 32 ? _mm256_set1_ps(to_float(sc[b * 32 / G]))
+                        : _mm256_set_m128(_mm_set1_ps(to_float(sc[2 * b + 1])), _mm_set1_ps(to_float(sc[2 * b])));
       }
       for (int m = 0; m < MR; ++m) {
         __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-        if (BITS == 8) xv = _mm256_sign_epi8(xv, sw);
+        if constexpr (BITS != 4) xv = _mm256_sign_epi8(xv, sw);
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, _mm256_set1_ps(xd[m * nb + b])),
                                  acc[m]);
       }
     }
-    if (mn)  // sum_g min_g * (sum of the row over group g), one vector dot per row
-      for (int m = 0; m < MR; ++m) off[m] = dot(mn, gsum + (m0 + m) * ng, ng);
+    if (const S* mn = w.mins_of<S>(n))  // sum_g min_g * (sum of the row over group g), one dot per row
+      for (int m = 0; m < MR; ++m) off[m] = dot_scales(mn, gsum + (m0 + m) * ng, ng);
     const float bv = bias ? bias[n] : 0.f;
     for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + bv;
   }
@@ -208,19 +228,30 @@ void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t
 
 using RowsFn = void (*)(const Packed&, const Activations&, const float*, int64_t, const float*, float*, int64_t,
                         int64_t);
-constexpr RowsFn kFloat[kMaxDirectRows] = {float_rows<1>, float_rows<2>, float_rows<3>, float_rows<4>,
-                                           float_rows<5>, float_rows<6>, float_rows<7>, float_rows<8>};
-constexpr RowsFn kInt4x8[kMaxDirectRows] = {int8_rows<1, 4>, int8_rows<2, 4>, int8_rows<3, 4>, int8_rows<4, 4>,
-                                            int8_rows<5, 4>, int8_rows<6, 4>, int8_rows<7, 4>, int8_rows<8, 4>};
-constexpr RowsFn kInt8x8[kMaxDirectRows] = {int8_rows<1, 8>, int8_rows<2, 8>, int8_rows<3, 8>, int8_rows<4, 8>,
-                                            int8_rows<5, 8>, int8_rows<6, 8>, int8_rows<7, 8>, int8_rows<8, 8>};
+using RowsTable = std::array<RowsFn, kMaxDirectRows>;
+
+template <typename S, int... M>
+constexpr RowsTable float_table(std::integer_sequence<int, M...>) { return {float_rows<M + 1, S>...}; }
+template <int BITS, typename S, int... M>
+constexpr RowsTable int8_table(std::integer_sequence<int, M...>) { return {int8_rows<M + 1, BITS, S>...}; }
+
+template <typename S>
+const RowsTable& rows_table(const Packed& w, bool integer) {
+  constexpr auto rows = std::make_integer_sequence<int, kMaxDirectRows>{};
+  static constexpr RowsTable kFloat = float_table<S>(rows), kInt4 = int8_table<4, S>(rows),
+                             kInt5 = int8_table<5, S>(rows), kInt6 = int8_table<6, S>(rows),
+                             kInt8 = int8_table<8, S>(rows);
+  if (!integer) return kFloat;
+  return w.bits == 4 ? kInt4 : w.bits == 5 ? kInt5 : w.bits == 6 ? kInt6 : kInt8;
+}
 
 }  // namespace
 
 void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out) {
   TORCH_CHECK(a.K == w.K, "activation rows have ", a.K, " elements, the weight expects ", w.K);
   TORCH_CHECK(!w.mins || !a.sums.empty(), "weights with mins need the activation sums");
-  const RowsFn* table = !(a.quantized && int8_path(w)) ? kFloat : w.bits == 4 ? kInt4x8 : kInt8x8;
+  const bool integer = a.quantized && int8_path(w);
+  const RowsTable& table = w.half ? rows_table<uint16_t>(w, integer) : rows_table<float>(w, integer);
   // the activations' sums over each weight group, for the mins
   std::vector<float> gsum;
   if (w.mins) {

@@ -4,10 +4,16 @@
 //
 // Packed formats, all "w = q * scale + min" per group of consecutive elements of a row:
 //   bits=4:  qs [N, K/2] uint8, groups of 32; in group g of a row, byte j holds element j in its
-//            low nibble and element j+16 in its high nibble (ggml's Q4_0/Q4_1 layout);
+//            low nibble and element j+16 in its high nibble (ggml's Q4_0/Q4_1 layout), codes 0..15;
+//   bits=5:  qs [N, K*5/8], 20 bytes per 32 elements: their low 4 bits as in bits=4, then 4 bytes
+//            whose byte j bit i is bit 4 of element 4i+j; codes are those 5 bits minus 16;
+//   bits=6:  qs [N, K*3/4], 24 bytes per 32 elements: the low 4 bits as in bits=4, then 8 bytes
+//            whose byte j bits 2i..2i+1 are bits 4..5 of element 8i+j; codes are those 6 bits - 32;
+//            groups of 16 or 32;
 //   bits=8:  qs [N, K] int8, groups of `group` (a multiple of 16);
 //   bits=32: qs [N, K] float32, no scales (plain float weights in the fused decode step).
-// scales and mins are [N, K/group] float32; mins may be absent (w = q * scale).
+// scales and mins are [N, K/group] float16 or float32 (the same for both); mins may be absent
+// (w = q * scale). fp16 keeps ggml's own scales at their stored size where they are exact in it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,6 +23,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace tianxia {
@@ -56,12 +64,71 @@ inline void widen_q8x16(const int8_t* p, __m256 w[2]) {
   w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
 
+// the 32 codes of one block of a 4-, 5- or 6-bit row (see the formats above) as bytes in
+// element order: unsigned 0..15 for bits=4, signed for 5 and 6
+template <int BITS>
+inline __m256i codes32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  if constexpr (BITS == 4) {
+    return lo;
+  } else if constexpr (BITS == 5) {
+    uint32_t h;
+    std::memcpy(&h, p + 16, 4);
+    __m256i hb = _mm256_srlv_epi32(_mm256_set1_epi32((int)h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    hb = _mm256_and_si256(hb, _mm256_set1_epi8(1));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(16));
+  } else {
+    static_assert(BITS == 6);
+    int64_t h;
+    std::memcpy(&h, p + 16, 8);
+    __m256i hb = _mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6));
+    hb = _mm256_and_si256(hb, _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+  }
+}
+
+// 32 signed byte codes -> 4 x 8 floats
+inline void widen_i8x32(__m256i q, __m256 w[4]) {
+  const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
+
+// sum_i a[i] * b[i] with a's float16 or float32 values
+template <typename S>
+inline float dot_scales(const S* a, const float* b, int64_t n) {
+  if constexpr (std::is_same_v<S, float>) {
+    return dot(a, b, n);
+  } else {
+    int64_t i = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))),
+                            _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; ++i) s += to_float(a[i]) * b[i];
+    return s;
+  }
+}
+
 struct Packed {
   const uint8_t* qs = nullptr;
-  const float* scales = nullptr;
-  const float* mins = nullptr;  // nullptr: no offsets
+  const void* scales = nullptr;  // float16 (half) or float32 [N, groups]
+  const void* mins = nullptr;    // like scales; nullptr: no offsets
+  bool half = false;
   int64_t bits = 0, group = 0, K = 0, N = 0, groups = 0;
-  int64_t row_bytes() const { return bits == 4 ? K / 2 : bits == 8 ? K : 4 * K; }
+  int64_t row_bytes() const { return bits == 32 ? 4 * K : K * bits / 8; }
+  template <typename S>
+  const S* scales_of(int64_t n) const { return static_cast<const S*>(scales) + n * groups; }
+  template <typename S>
+  const S* mins_of(int64_t n) const { return mins ? static_cast<const S*>(mins) + n * groups : nullptr; }
 };
 
 // A packed weight from its tensors (checked); bits=32 takes a float32 [N, K] matrix as qs.
