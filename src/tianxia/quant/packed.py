@@ -47,7 +47,7 @@ from tianxia.quant.gguf_codecs import (
     block_info,
 )
 
-__all__ = ["PackedWeight", "PACKABLE_TYPES", "from_gguf", "quantize_float", "concat_rows"]
+__all__ = ["PACKABLE_TYPES", "PackedWeight", "concat_rows", "from_gguf", "quantize_float"]
 
 
 @dataclass
@@ -223,7 +223,7 @@ def from_gguf(raw: torch.Tensor | np.ndarray, qtype: QT | int, shape: tuple[int,
     if qtype not in PACKABLE_TYPES:
         raise ValueError(f"{qtype.name} has no packed layout")
     rows, cols = shape
-    block, type_size = block_info(qtype)
+    _, type_size = block_info(qtype)
     data = _as_bytes(_as_tensor(raw)).reshape(-1, type_size)
     q, scale, mn, bits = _decompose(data, qtype)
     groups = q.shape[0] * q.shape[1] // rows
