@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tianxia.engine import faults
 from tianxia.engine.llm_engine import LLMEngine, PromptType
@@ -36,6 +36,34 @@ from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def build_off_main_thread(build: Callable[[], T]) -> T:
+    """``build()`` (the engine's load and warm-up) run in a thread that ends with it.
+
+    The engine steps on a thread of its own. Had the main thread run the load's parallel torch
+    ops, it would keep an OpenMP thread pool for the life of the process; with two pools libgomp
+    manages more threads than there are cores, stops spinning between parallel regions, and each
+    of a decode step's few hundred regions waits for a worker to wake (a CPU step took twice as
+    long). A pool ends with its thread, so the engine thread's pool is then the only one.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(build())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="tianxia-load", daemon=True)  # Ctrl-C exits
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class EngineDeadError(RuntimeError):

@@ -16,7 +16,13 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, add_quantization_args, parse_size
+from tianxia.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    add_quantization_args,
+    parse_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +296,7 @@ def _graceful_server_class():
 def run_server(args: argparse.Namespace, default_model: str) -> int:
     import uvicorn
 
-    from tianxia.engine.async_engine import AsyncLLMEngine
+    from tianxia.engine.async_engine import AsyncLLMEngine, build_off_main_thread
     from tianxia.engine.llm_engine import LLMEngine
     from tianxia.server.api import build_app
     from tianxia.server.metrics import ServerMetrics
@@ -315,7 +321,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     import prometheus_client
 
     prometheus_client.disable_created_metrics()  # no `_created` series (as vLLM)
-    engine = LLMEngine(engine_config(args, model))
+    config = engine_config(args, model)
+    engine = build_off_main_thread(lambda: LLMEngine(config))
     names = args.served_model_name or [model]
     async_engine = AsyncLLMEngine(
         engine,

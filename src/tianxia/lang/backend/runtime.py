@@ -95,12 +95,13 @@ class Runtime(TokenStateBackend):
             # the engine thread shares the GIL with every program thread: with Python's default
             # 5 ms switch interval it can wait that long for the GIL between kernel launches
             sys.setswitchinterval(gil_switch_interval)
-        from tianxia.engine.async_engine import AsyncLLMEngine
+        from tianxia.engine.async_engine import AsyncLLMEngine, build_off_main_thread
         from tianxia.llm import LLM
 
         spec = model_path or model or "smollm2-135m"
         jinja = isinstance(chat_template, str) and ("{%" in chat_template or "{{" in chat_template)
-        self.llm = LLM(spec, chat_template=chat_template if jinja else None, **engine_args)
+        template = chat_template if jinja else None
+        self.llm = build_off_main_thread(lambda: LLM(spec, chat_template=template, **engine_args))
         self.engine = self.llm.engine
         self.tokenizer = self.engine.tokenizer
         self.model_path = spec

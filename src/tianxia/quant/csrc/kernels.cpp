@@ -247,6 +247,8 @@ const RowsTable& rows_table(const Packed& w, bool integer) {
 
 }  // namespace
 
+constexpr int64_t kWeightTile = 16;
+
 void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out) {
   TORCH_CHECK(a.K == w.K, "activation rows have ", a.K, " elements, the weight expects ", w.K);
   TORCH_CHECK(!w.mins || !a.sums.empty(), "weights with mins need the activation sums");
@@ -262,10 +264,14 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
         for (int64_t i = 0; i < per; ++i) gsum[m * ng + g] += a.sums[m * (a.K / 16) + g * per + i];
   }
   const float* gs = gsum.empty() ? nullptr : gsum.data();
+  // a tile of weight rows stays in L1 while every chunk of activation rows passes it
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
-      const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
-      table[mr - 1](w, a, gs, m0, bias, out, n0, n1);
+    for (int64_t t0 = n0; t0 < n1; t0 += kWeightTile) {
+      const int64_t t1 = std::min(n1, t0 + kWeightTile);
+      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
+        const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
+        table[mr - 1](w, a, gs, m0, bias, out, t0, t1);
+      }
     }
   });
 }
