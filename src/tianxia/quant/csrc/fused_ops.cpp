@@ -53,13 +53,30 @@ void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t H
 }
 
 void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu) {
+  const auto act = [gelu](__m256 g) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    if (!gelu) return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    // 0.5 g (1 + tanh(z)) = g - g / (1 + e^{2z}), z = sqrt(2/pi) (g + 0.044715 g^3)
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.f * 0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+    return _mm256_sub_ps(g, _mm256_div_ps(g, _mm256_add_ps(one, exp8(z))));
+  };
   at::parallel_for(0, T * I, 2048, [&](int64_t a, int64_t b) {
-    for (int64_t j = a; j < b; ++j) {
-      const int64_t t = j / I, i = j % I;
-      const float g = x[t * 2 * I + i];
-      const float act = gelu ? 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                             : g / (1.0f + std::exp(-g));
-      out[j] = act * x[t * 2 * I + I + i];
+    for (int64_t j = a; j < b;) {
+      const int64_t t = j / I, i0 = j % I, run = std::min(b - j, I - i0);
+      const float* g = x + t * 2 * I + i0;
+      const float* u = g + I;
+      float* o = out + j;
+      int64_t i = 0;
+      for (; i + 8 <= run; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(act(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+      if (i < run) {  // the row's last few values, through a zero-padded vector
+        alignas(32) float gt[8] = {0}, r[8];
+        std::copy(g + i, g + run, gt);
+        _mm256_store_ps(r, act(_mm256_load_ps(gt)));
+        for (int64_t k = i; k < run; ++k) o[k] = r[k - i] * u[k];
+      }
+      j += run;
     }
   });
 }
@@ -90,8 +107,16 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
         float* sr = scores.data() + r * n;
         float mx = -INFINITY;
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), m));
+          _mm256_storeu_ps(sr + i, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum(vsum);
+        for (; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
         denom[r] = sum;
       }
       for (int64_t t = start; t < len; ++t) {
