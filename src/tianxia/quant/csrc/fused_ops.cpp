@@ -81,60 +81,94 @@ void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu)
   });
 }
 
+namespace {
+
+// the sums of 8 vectors, as one vector
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// one (sequence, KV head): its rep query heads over n cached tokens; ND = D / 8 when the head size
+// is 64 or 128 (the accumulators then stay in registers), 0 for any other size
+template <int ND>
+void attend_kv_head(const float* q, float* out, const float* const* k, const float* const* v, int64_t n,
+                    int64_t rep, int64_t D, float scale, float softcap, std::vector<float>& scores) {
+  scores.resize(rep * n);
+  for (int64_t r = 0; r < rep; ++r) {
+    const float* qr = q + r * D;
+    float* sr = scores.data() + r * n;
+    int64_t t = 0;
+    if (D % 8 == 0) {
+      for (; t + 8 <= n; t += 8) {  // 8 keys at a time: one reduction for 8 dot products
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < D; c += 8) {
+          const __m256 qc = _mm256_loadu_ps(qr + c);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(k[t + i] + c), qc, acc[i]);
+        }
+        _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+      }
+    }
+    for (; t < n; ++t) sr[t] = dot(qr, k[t], D) * scale;
+    if (softcap > 0)
+      for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), m));
+      _mm256_storeu_ps(sr + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
+    const float inv = 1.f / sum;
+    float* o = out + r * D;
+    if constexpr (ND > 0) {
+      __m256 acc[ND];
+      for (int c = 0; c < ND; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t t2 = 0; t2 < n; ++t2) {
+        const __m256 p = _mm256_set1_ps(sr[t2]);
+        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v[t2] + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < ND; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    } else {
+      std::fill(o, o + D, 0.f);
+      for (int64_t t2 = 0; t2 < n; ++t2)
+        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * v[t2][d];
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
 void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const float* k_cache,
                        const float* v_cache, const int64_t* block_tables, int64_t max_blocks,
                        const int64_t* seq_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                        int64_t block_size, float scale, int64_t window, float softcap) {
   const int64_t rep = Hq / Hk, bs = block_size;
+  const auto attend = D == 64 ? attend_kv_head<8> : D == 128 ? attend_kv_head<16> : attend_kv_head<0>;
   at::parallel_for(0, B * Hk, 1, [&](int64_t j0, int64_t j1) {
-    std::vector<float> scores, acc(rep * D), denom(rep);
+    std::vector<float> scores;
+    std::vector<const float*> k, v;
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t b = j / Hk, hk = j % Hk, len = seq_lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
       const int64_t* bt = block_tables + b * max_blocks;
-      scores.assign(rep * n, 0.f);
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = bt[t / bs] * bs + t % bs;
-        const float* kr = k_cache + (slot * Hk + hk) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          float s = dot(q + b * sq + (hk * rep + r) * D, kr, D) * scale;
-          if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-          scores[r * n + t - start] = s;
-        }
+      k.resize(n);
+      v.resize(n);
+      for (int64_t t = start; t < len; ++t) {  // the rows of the paged cache, in token order
+        const int64_t row = (bt[t / bs] * bs + t % bs) * Hk + hk;
+        k[t - start] = k_cache + row * D;
+        v[t - start] = v_cache + row * D;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t r = 0; r < rep; ++r) {
-        float* sr = scores.data() + r * n;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), m));
-          _mm256_storeu_ps(sr + i, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum(vsum);
-        for (; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
-        denom[r] = sum;
-      }
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = bt[t / bs] * bs + t % bs;
-        const float* vr = v_cache + (slot * Hk + hk) * D;
-        for (int64_t r = 0; r < rep; ++r) {
-          const __m256 p = _mm256_set1_ps(scores[r * n + t - start]);
-          float* a = acc.data() + r * D;
-          int64_t d = 0;
-          for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(a + d)));
-          for (; d < D; ++d) a[d] += scores[r * n + t - start] * vr[d];
-        }
-      }
-      for (int64_t r = 0; r < rep; ++r) {
-        float* o = out + b * so + (hk * rep + r) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] / denom[r];
-      }
+      attend(q + b * sq + hk * rep * D, out + b * so + hk * rep * D, k.data(), v.data(), n, rep, D, scale, softcap,
+             scores);
     }
   });
 }

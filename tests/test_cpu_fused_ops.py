@@ -1,0 +1,59 @@
+"""The fused float32 CPU ops (``quant/csrc/fused_ops.cpp``) against torch on the same inputs: the
+gated activation and the paged one-token attention that the fused decode step is built from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tianxia.quant import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = cpu_kernels.extension()
+    if ext is None:
+        pytest.skip("the CPU kernels are not built here")
+    return ext
+
+
+def test_silu_and_mul_matches_torch(ext):
+    # the vectorised exp of the fused activation, over the range where it saturates, row ends
+    # that do not fill a vector (1539 = 192 * 8 + 3), and infinities
+    x = torch.randn(5, 2 * 1539) * 8
+    x[0, :12] = torch.tensor([-200.0, -90, -88, -50, -1e-8, 0, 1e-8, 50, 88, 90, 200, float("inf")])
+    g, u = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(g) * u
+    got = ext.silu_and_mul(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # register-tiled sizes and the generic one
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (37, 0.0), (0, 30.0)])
+def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, window, softcap):
+    g = torch.Generator().manual_seed(head_dim + window)
+    hq, hk, bs, blocks = 6, 2, 16, 40
+    lens = [1, 7, 8, 45, 130]  # fewer than, exactly and more than 8 keys per pass, ragged ends
+    k_cache = torch.randn(blocks, bs, hk, head_dim, generator=g)
+    v_cache = torch.randn(blocks, bs, hk, head_dim, generator=g)
+    perm = torch.randperm(blocks, generator=g)  # blocks scattered over the cache
+    per_seq = -(-max(lens) // bs)
+    tables = torch.stack([perm[(i * 3) % (blocks - per_seq):][:per_seq] for i in range(len(lens))])
+    q = torch.randn(len(lens), hq, head_dim, generator=g) * 2
+    scale = 1 / math.sqrt(head_dim)
+    got = ext.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale, window, softcap)
+    for b, n in enumerate(lens):
+        slots = [(int(tables[b, t // bs]), t % bs) for t in range(n)]
+        keys = torch.stack([k_cache[blk, off] for blk, off in slots])  # [n, hk, D]
+        values = torch.stack([v_cache[blk, off] for blk, off in slots])
+        start = max(0, n - window) if window else 0
+        keys, values = keys[start:], values[start:]
+        rep = hq // hk
+        s = torch.einsum("hd,nhd->hn", q[b], keys.repeat_interleave(rep, dim=1)) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        want = torch.einsum("hn,nhd->hd", s.softmax(-1), values.repeat_interleave(rep, dim=1))
+        assert torch.allclose(got[b], want, rtol=1e-4, atol=1e-5), (b, n)
