@@ -35,7 +35,7 @@ def _gguf_matrix(qtype: QT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_products(packed, reference: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    for m in (1, 3, 8, 9, 40):  # the direct kernel (up to 8 rows) and the tiled BLAS path
+    for m in (1, 3, 8, 9, 40, 520):  # the direct kernel (up to 8 rows), BLAS on tiles, on chunks
         x = torch.randn(m, reference.shape[1])
         want = torch.nn.functional.linear(x, reference, bias)
         got = cpu_kernels.packed_linear(x, packed, bias)
@@ -75,8 +75,9 @@ def test_int8_activations_stay_close_and_batch_invariant(qtype):
     for i in (0, 7, 12):
         assert torch.equal(cpu_kernels.packed_linear(x[i:i + 1], packed, None, int8=True)[0], got[i])
     # many rows (prefill) multiply the same rounded activations with BLAS: equal up to float rounding
-    many = cpu_kernels.packed_linear(torch.cat([x, torch.randn(27, COLS)]), packed, None, int8=True)
-    assert float((many[:13] - got).abs().max() / got.abs().max()) < 1e-5, qtype.name
+    for rows in (40, 520):  # BLAS on per-thread tiles, then on whole chunks of the weight
+        many = cpu_kernels.packed_linear(torch.cat([x, torch.randn(rows - 13, COLS)]), packed, None, int8=True)
+        assert float((many[:13] - got).abs().max() / got.abs().max()) < 1e-5, qtype.name
 
 
 def test_fused_rows_of_mixed_types_stay_exact():

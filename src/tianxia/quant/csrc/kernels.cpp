@@ -52,6 +52,24 @@ Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& 
   return p;
 }
 
+namespace {
+
+// the 32 values at p (into v) and their 8-bit scale: amax / 127
+inline float q8_block(const float* p, __m256 v[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(p + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h) / 127.f;
+}
+
+}  // namespace
+
 void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sums, bool int8) {
   x = rows;
   M = m;
@@ -71,21 +89,10 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sum
   d8.resize(m * (k / 32));
   // ggml's quantize_row_q8_0 in AVX2: scale by 127 / amax, round to nearest even, pack to bytes
   at::parallel_for(0, m * (k / 32), 64, [&](int64_t b0, int64_t b1) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = b0; b < b1; ++b) {
-      const float* p = rows + b * 32;
       __m256 v[4];
-      __m256 mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_loadu_ps(p + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-      }
-      __m128 h = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      const float amax = _mm_cvtss_f32(h);
-      const float d = amax / 127.f;
+      const float d = q8_block(rows + b * 32, v);
       d8[b] = d;
       const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
       __m256i q[4];
@@ -106,8 +113,17 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sum
   }
 }
 
-void Activations::dequantized(float* out) const {
-  for (int64_t i = 0; i < M * K; ++i) out[i] = d8[i / 32] * (float)q8[i];
+void round_rows_q8(const float* x, float* out, int64_t blocks) {
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      __m256 v[4];
+      const float d = q8_block(x + b * 32, v);
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f), dv = _mm256_set1_ps(d);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(out + b * 32 + 8 * i,
+                         _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), dv));
+    }
+  });
 }
 
 bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }

@@ -165,9 +165,11 @@ struct Activations {
   // int8 (and K a multiple of 32): round each 32 values to 8-bit codes; the sums (for weights
   // with mins) are then of the rounded values
   void prepare(const float* rows, int64_t m, int64_t k, bool with_sums, bool int8);
-  // the rounded rows as float32 [M, K] (the prefill path multiplies these with BLAS)
-  void dequantized(float* out) const;
 };
+
+// out = x rounded as Activations::prepare rounds it (8-bit codes times their scale per 32 values),
+// in one pass: the prefill path multiplies these rows with BLAS
+void round_rows_q8(const float* x, float* out, int64_t blocks);
 
 // out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for all n, m < a.M (any M; rows go in chunks of
 // kMaxDirectRows, the weights are read once per chunk); parallel over n.
