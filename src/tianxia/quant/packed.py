@@ -143,12 +143,23 @@ def _pack_blocks(q: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     return torch.cat([_pack_nibbles(u & 0x0F), plane_bytes], dim=2).reshape(rows, -1)
 
 
-def _compact(t: torch.Tensor | None) -> torch.Tensor | None:
-    """float16 where that holds every value exactly, else float32."""
-    if t is None:
-        return None
-    half = t.to(torch.float16)
-    return half if torch.equal(half.to(torch.float32), t) else t
+def _compact_scales(
+    scales: torch.Tensor, mins: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both as float16 where that holds every value of both exactly (they share one type), else as
+    they are (float32)."""
+    half = [t.to(torch.float16) for t in (scales, mins) if t is not None]
+    if all(torch.equal(h.to(t.dtype), t) for h, t in zip(half, (scales, mins))):
+        return half[0], half[1] if mins is not None else None
+    return scales, mins
+
+
+def _half_if_finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to float16 values (kept as float32) where they stay finite and nonzero ones
+    stay nonzero, so the codes are chosen for the scales that will be stored."""
+    half = t.to(torch.float16).to(torch.float32)
+    ok = torch.isfinite(half).all() and bool(((half != 0) | (t == 0)).all())
+    return half if ok else t
 
 
 def _q8(q: torch.Tensor, rows: int) -> torch.Tensor:
@@ -239,8 +250,7 @@ def from_gguf(raw: torch.Tensor | np.ndarray, qtype: QT | int, shape: tuple[int,
         qs = _q8(q, rows).contiguous()
     scales = scale.reshape(rows, groups).contiguous()
     mins = None if mn is None else mn.reshape(rows, groups).contiguous()
-    if mins is None or _compact(mins).dtype == _compact(scales).dtype:
-        scales, mins = _compact(scales), _compact(mins)
+    scales, mins = _compact_scales(scales, mins)
     return PackedWeight(qs, scales, mins, bits, group, qtype.name)
 
 
@@ -262,7 +272,8 @@ def quantize_float(w: torch.Tensor, method: str) -> PackedWeight:
         pad = (-cols) % 16
         if pad:  # the layout needs whole 16-element chunks; a row is one group here
             raise ValueError(f"int8 needs rows of a multiple of 16 elements, got {cols}")
-        return PackedWeight(_q8(q, rows).contiguous(), _compact(scale.contiguous()), None, 8, cols, "int8")
+        scale, _ = _compact_scales(scale.contiguous(), None)
+        return PackedWeight(_q8(q, rows).contiguous(), scale, None, 8, cols, "int8")
     if method == "int4":
         if cols % 32:
             raise ValueError(f"int4 needs rows of a multiple of 32 elements, got {cols}")
@@ -272,16 +283,7 @@ def quantize_float(w: torch.Tensor, method: str) -> PackedWeight:
         lo = _half_if_finite(lo)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15)
-        scale, lo = scale.contiguous(), lo.contiguous()
-        if _compact(scale).dtype == _compact(lo).dtype:
-            scale, lo = _compact(scale), _compact(lo)
+        scale, lo = _compact_scales(scale.contiguous(), lo.contiguous())
         return PackedWeight(_pack_nibbles(q).reshape(rows, cols // 2).contiguous(), scale, lo, 4, 32, "int4")
     raise ValueError(f"unknown quantization method {method!r}")
 
-
-def _half_if_finite(t: torch.Tensor) -> torch.Tensor:
-    """``t`` rounded to float16 values (kept as float32) where they stay finite and nonzero ones
-    stay nonzero, so the codes are chosen for the scales that will be stored."""
-    half = t.to(torch.float16).to(torch.float32)
-    ok = torch.isfinite(half).all() and bool(((half != 0) | (t == 0)).all())
-    return half if ok else t

@@ -1,9 +1,10 @@
 // The torch-facing CPU ops: matmuls with packed weights (kernels.cpp), the fused float32 ops of
 // a decode step (fused_ops.cpp), and the whole-step decoder (decoder.cpp).
 //
-// A few activation rows (decode) run the direct kernels, which keep the weights packed. Many rows
-// (prefill) dequantize a tile of weight rows into a cache-sized buffer and hand it to the BLAS
-// matmul, which is faster than the direct kernel once the tile is reused enough.
+// A few activation rows (decode) run the direct kernels, which keep the weights packed. More rows
+// (a prompt) dequantize tiles of weight rows into cache-sized buffers for single-threaded BLAS
+// calls, and from kWideRows on (a batch of prompts) whole chunks of the weight for multi-threaded
+// ones: BLAS is faster than the direct kernel once a dequantized weight is reused enough.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -47,11 +48,7 @@ void dequant_row_as(const Packed& w, int64_t n, float* dst) {
   for (int64_t b = 0; b < w.K / 32; ++b) {  // blocks of 32 codes, in one or two groups
     const uint8_t* p = q + b * 4 * w.bits;
     __m256 v[4];
-    if (w.bits == 4) {
-      widen_q4(p, v);
-    } else {
-      widen_i8x32(w.bits == 5 ? codes32<5>(p) : codes32<6>(p), v);
-    }
+    widen_block(w.bits, p, v);
     for (int i = 0; i < 4; ++i) {
       const int64_t g = (b * 32 + i * 8) / G;
       const __m256 d = _mm256_set1_ps(to_float(sc[g])), m = _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f);

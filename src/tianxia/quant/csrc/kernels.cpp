@@ -172,11 +172,7 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
       for (int64_t b = 0; b < K / 32; ++b) {
         __m256 v[4];
         const uint8_t* p = q + b * block_bytes;
-        if (w.bits == 4) {
-          widen_q4(p, v);
-        } else {
-          widen_i8x32(w.bits == 5 ? codes32<5>(p) : codes32<6>(p), v);
-        }
+        widen_block(w.bits, p, v);
         const __m256 d0 = _mm256_set1_ps(to_float(sc[G == 32 ? b : 2 * b]));
         const __m256 d1 = G == 32 ? d0 : _mm256_set1_ps(to_float(sc[2 * b + 1]));
         for (int m = 0; m < MR; ++m) {

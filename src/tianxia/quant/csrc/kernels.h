@@ -1,5 +1,5 @@
 // Shared pieces of the CPU kernels (x86, AVX2 + FMA): the packed weight view and the products of
-// a few activation rows with it, used by the torch-facing ops (packed_gemm.cpp) and by the fused
+// a few activation rows with it, used by the torch-facing ops (bindings.cpp) and by the fused
 // decode step (decoder.cpp).
 //
 // Packed formats, all "w = q * scale + min" per group of consecutive elements of a row:
@@ -65,17 +65,6 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-inline void widen_q4(const uint8_t* p, __m256 w[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
 inline void widen_q8x16(const int8_t* p, __m256 w[2]) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -107,8 +96,9 @@ inline __m256i codes32(const uint8_t* p) {
   }
 }
 
-// 32 signed byte codes -> 4 x 8 floats
-inline void widen_i8x32(__m256i q, __m256 w[4]) {
+// the 32 codes of one block of a 4-, 5- or 6-bit row as 4 x 8 floats, in element order
+inline void widen_block(int64_t bits, const uint8_t* p, __m256 w[4]) {
+  const __m256i q = bits == 4 ? codes32<4>(p) : bits == 5 ? codes32<5>(p) : codes32<6>(p);
   const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
   w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
   w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
