@@ -72,12 +72,39 @@ def test_int8_activations_stay_close_and_batch_invariant(qtype):
     want = x @ reference.T
     got = cpu_kernels.packed_linear(x, packed, None, int8=True)
     assert float((got - want).norm() / want.norm()) < 0.03, qtype.name
+    # a row's result does not depend on the rows beside it: bit for bit within the direct kernel
+    # (up to 8 rows), up to float rounding against the GEMM's tiles (more rows; 4-6-bit codes)
     for i in (0, 7, 12):
-        assert torch.equal(cpu_kernels.packed_linear(x[i:i + 1], packed, None, int8=True)[0], got[i])
-    # many rows (prefill) multiply the same rounded activations with BLAS: equal up to float rounding
-    for rows in (40, 520):  # BLAS on per-thread tiles, then on whole chunks of the weight
+        one = cpu_kernels.packed_linear(x[i:i + 1], packed, None, int8=True)[0]
+        assert torch.equal(one, cpu_kernels.packed_linear(x[i & ~7:(i & ~7) + 8], packed, None, int8=True)[i & 7])
+        assert float((one - got[i]).abs().max() / got[i].abs().max()) < 1e-5
+    # many rows (prefill: the integer GEMM, or BLAS on the rounded rows): equal up to float rounding
+    for rows in (40, 520):
         many = cpu_kernels.packed_linear(torch.cat([x, torch.randn(rows - 13, COLS)]), packed, None, int8=True)
         assert float((many[:13] - got).abs().max() / got.abs().max()) < 1e-5, qtype.name
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "Q3_K", "int8"])
+def test_many_rows_equal_the_direct_integer_kernel(kind):
+    # more than 8 rows take the integer GEMM (register tiles of 4 weight rows; 4-6-bit codes) or
+    # BLAS on the rounded rows (8-bit codes from 17 rows on): every row count around the tile
+    # edges, a weight whose rows are not a multiple of 4, and a bias, against the direct kernel (one
+    # activation row at a time) on the same 8-bit codes. Q3_K: 8-bit codes in groups of 16; int8:
+    # one group per row.
+    rows = 42
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(rows, COLS, generator=g)
+    if kind == "int8":
+        packed = quantize_float(w, "int8")
+    else:
+        qtype = QT[kind]
+        packed = from_gguf(torch.from_numpy(quantize_array(w.numpy(), qtype).reshape(-1)), qtype, (rows, COLS))
+    bias = torch.randn(rows, generator=g)
+    for m in (9, 17, 18, 19, 20, 131):
+        x = torch.randn(m, COLS, generator=g)
+        got = cpu_kernels.packed_linear(x, packed, bias, int8=True)
+        want = torch.cat([cpu_kernels.packed_linear(x[i:i + 1], packed, bias, int8=True) for i in range(m)])
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5, f"{kind}, {m} rows"
 
 
 def test_fused_rows_of_mixed_types_stay_exact():

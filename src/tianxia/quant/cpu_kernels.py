@@ -23,7 +23,7 @@ from tianxia.quant.packed import PackedWeight
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "kernels.cpp", "fused_ops.cpp", "decoder.cpp"]
+_SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "fused_ops.cpp", "decoder.cpp"]
 
 
 @functools.cache

@@ -83,12 +83,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
     b = bias_t.data_ptr<float>();
   }
   auto out = torch::empty({M, N}, x.options());
-  // the integer kernel stays ahead of dequantize-and-BLAS for two chunks of rows (a decode batch
-  // of up to 16, as the fused decoder takes)
-  if (M <= (int8 ? 2 * kMaxDirectRows : kMaxDirectRows)) {
+  if (product_rows_takes(w, M, int8)) {
     Activations a;
-    a.prepare(x.data_ptr<float>(), M, w.K, w.mins != nullptr, int8);
-    small_matmul(w, a, b, out.data_ptr<float>());
+    product_rows(w, x.data_ptr<float>(), M, int8, b, out.data_ptr<float>(), a);
     return out;
   }
   if (int8 && w.K % 32 == 0) {

@@ -163,8 +163,7 @@ class Decoder {
 
  private:
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
-    a_.prepare(x, M, l.w.K, l.w.mins != nullptr, int8_ && int8_path(l.w));
-    small_matmul(l.w, a_, l.b, out);
+    product_rows(l.w, x, M, int8_, l.b, out, a_);
   }
 
   int64_t H_, Hq_, Hk_, D_, I_;

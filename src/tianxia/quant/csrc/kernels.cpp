@@ -87,6 +87,8 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sum
   if (!quantized) return;
   q8.resize(m * k);
   d8.resize(m * (k / 32));
+  // the mins meet the rounded values too, so every path sees the same numbers
+  if (with_sums) sums.resize(m * (k / 16));
   // ggml's quantize_row_q8_0 in AVX2: scale by 127 / amax, round to nearest even, pack to bytes
   at::parallel_for(0, m * (k / 32), 64, [&](int64_t b0, int64_t b1) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -101,16 +103,17 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sum
       const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8.data() + b * 32), bytes);
+      if (with_sums) {  // the codes are within +-127, so the int32 sums are exact
+        alignas(32) int32_t s[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[0], q[1]));
+        const int32_t lo = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[2], q[3]));
+        const int32_t hi = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+        sums[2 * b] = d * (float)lo;
+        sums[2 * b + 1] = d * (float)hi;
+      }
     }
   });
-  if (with_sums) {  // the mins meet the rounded values too, so every path sees the same numbers
-    sums.resize(m * (k / 16));
-    for (int64_t i = 0; i < m * (k / 16); ++i) {
-      int s = 0;
-      for (int j = 0; j < 16; ++j) s += q8[i * 16 + j];
-      sums[i] = d8[i / 2] * (float)s;
-    }
-  }
 }
 
 void round_rows_q8(const float* x, float* out, int64_t blocks) {
@@ -127,6 +130,15 @@ void round_rows_q8(const float* x, float* out, int64_t blocks) {
 }
 
 bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
+
+std::vector<float> group_sums(const Packed& w, const Activations& a) {
+  const int64_t per = w.group / 16, ng = w.groups;
+  std::vector<float> gsum(a.M * ng, 0.f);
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t i = 0; i < per; ++i) gsum[m * ng + g] += a.sums[m * (a.K / 16) + g * per + i];
+  return gsum;
+}
 
 namespace {
 
@@ -266,15 +278,8 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
   TORCH_CHECK(!w.mins || !a.sums.empty(), "weights with mins need the activation sums");
   const bool integer = a.quantized && int8_path(w);
   const RowsTable& table = w.half ? rows_table<uint16_t>(w, integer) : rows_table<float>(w, integer);
-  // the activations' sums over each weight group, for the mins
   std::vector<float> gsum;
-  if (w.mins) {
-    const int64_t per = w.group / 16, ng = w.groups;
-    gsum.assign(a.M * ng, 0.f);
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t g = 0; g < ng; ++g)
-        for (int64_t i = 0; i < per; ++i) gsum[m * ng + g] += a.sums[m * (a.K / 16) + g * per + i];
-  }
+  if (w.mins) gsum = group_sums(w, a);
   const float* gs = gsum.empty() ? nullptr : gsum.data();
   // a tile of weight rows stays in L1 while every chunk of activation rows passes it
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {

@@ -72,8 +72,9 @@ inline void widen_q8x16(const int8_t* p, __m256 w[2]) {
 }
 
 // the 32 codes of one block of a 4-, 5- or 6-bit row (see the formats above) as bytes in
-// element order: unsigned 0..15 for bits=4, signed for 5 and 6
-template <int BITS>
+// element order: unsigned 0..15 for bits=4, signed for 5 and 6 (or, with UNSIGNED, their stored
+// bits: 0..31 and 0..63)
+template <int BITS, bool UNSIGNED = false>
 inline __m256i codes32(const uint8_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
@@ -85,14 +86,16 @@ inline __m256i codes32(const uint8_t* p) {
     std::memcpy(&h, p + 16, 4);
     __m256i hb = _mm256_srlv_epi32(_mm256_set1_epi32((int)h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     hb = _mm256_and_si256(hb, _mm256_set1_epi8(1));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(16));
+    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+    return UNSIGNED ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(16));
   } else {
     static_assert(BITS == 6);
     int64_t h;
     std::memcpy(&h, p + 16, 8);
     __m256i hb = _mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_setr_epi64x(0, 2, 4, 6));
     hb = _mm256_and_si256(hb, _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+    const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
+    return UNSIGNED ? u : _mm256_sub_epi8(u, _mm256_set1_epi8(32));
   }
 }
 
@@ -167,6 +170,25 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
 
 // Whether the integer dot products (8-bit activations) are used for products with `w`.
 bool int8_path(const Packed& w);
+
+// [M, groups]: the sums of each activation row over each group of w (for its mins and offsets)
+std::vector<float> group_sums(const Packed& w, const Activations& a);
+
+// Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits.
+bool int8_gemm_path(const Packed& w);
+
+// out = x w^T (+ bias) for M rows of x, with the activations prepared in `a`: the direct kernels
+// for up to kMaxDirectRows rows (2x that for 8-bit codes with int8), int8_gemm beyond (batched
+// decode steps and prompts) where it takes the weight
+void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
+                  Activations& a);
+
+// whether product_rows takes M rows of x (else prompts go to BLAS on dequantized tiles)
+bool product_rows_takes(const Packed& w, int64_t M, bool int8);
+
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) on the integer path for many rows (a prompt):
+// register tiles of widened weight codes (gemm_int8.cpp); needs a.quantized and the sums.
+void int8_gemm(const Packed& w, const Activations& a, const float* bias, float* out);
 
 // ---- the float32 ops of a decode step, on raw rows ----
 

@@ -1,0 +1,202 @@
+// The integer GEMM for more than a few activation rows (batched decode steps, prompts): rows of
+// 8-bit codes with one scale per 32 (Activations) times a weight of 4-, 5- or 6-bit codes.
+//
+// Each thread widens a tile of weight rows once to byte codes that maddubs (u8 x s8) takes as its
+// unsigned operand: 5- and 6-bit codes keep their +16 / +32 offset, so every code is 0..63 and
+// needs neither ggml's sign trick nor can it saturate (2 * 63 * 127 < 2^15). (8-bit codes would
+// need the sign trick, an extra op per product and a second widened copy: measured no faster
+// than BLAS on dequantized tiles, so they stay there.) Four weight rows and a few activation
+// rows then meet in a register tile: per block of
+// 32, four maddubs/madd dot products are folded by a 4x4 transpose-add into one vector (lanes:
+// the four weight rows' low and high 16 elements), which takes one convert and one multiply-add
+// with the block's scales. Offsets and mins take one more multiply-add with the activations' sums:
+//   sum_k x_k (s (u_k - off) + min) = s d_x (u . q_x) + (min - off s) sum_k x_k   per half block.
+#include "kernels.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+
+namespace tianxia {
+
+namespace {
+
+// A tile of weight rows, widened: per group of 4 rows ("quad") and block of 32, 4 x 32 code bytes,
+// then the 8 scales and the 8 correction factors (min - off * scale) that one folded vector meets
+// (low lane: the 4 rows' values for elements 0..15, high lane: for 16..31).
+struct WeightTile {
+  std::vector<uint8_t> codes;
+  std::vector<float> factors;
+  int64_t rows = 0;
+};
+
+template <int BITS, typename S>
+void widen_tile(const Packed& w, int64_t n0, int64_t rows, WeightTile& t) {
+  const int64_t nb = w.K / 32, G = w.group, quads = (rows + 3) / 4;
+  const float off = BITS == 4 ? 0.f : BITS == 5 ? 16.f : 32.f;
+  t.rows = rows;
+  t.codes.resize(quads * nb * 128);
+  t.factors.resize(quads * nb * 16);
+  for (int64_t q = 0; q < quads; ++q) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t r = 4 * q + j;
+      uint8_t* c = t.codes.data() + q * nb * 128 + j * 32;
+      float* f = t.factors.data() + q * nb * 16 + j;
+      if (r >= rows) {  // padding of the last quad: zero codes, zero scales
+        for (int64_t b = 0; b < nb; ++b) {
+          std::memset(c + b * 128, 0, 32);
+          f[b * 16] = f[b * 16 + 4] = f[b * 16 + 8] = f[b * 16 + 12] = 0.f;
+        }
+        continue;
+      }
+      const int64_t n = n0 + r;
+      const uint8_t* p = w.qs + n * w.row_bytes();
+      const S* sc = w.scales_of<S>(n);
+      const S* mn = w.mins_of<S>(n);
+      for (int64_t b = 0; b < nb; ++b) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + b * 128), codes32<BITS, true>(p + b * 4 * BITS));
+        for (int half = 0; half < 2; ++half) {
+          const int64_t g = G == 32 ? b : 2 * b + half;
+          const float s = to_float(sc[g]);
+          f[b * 16 + 4 * half] = s;
+          f[b * 16 + 8 + 4 * half] = (mn ? to_float(mn[g]) : 0.f) - off * s;
+        }
+      }
+    }
+  }
+}
+
+// The sums of each 16 activations of rows m0..m0+MR as the folded vectors meet them: [MR, nb, 8],
+// the block's first half's sum in the low lane and the second's in the high lane.
+void half_sums(const Activations& a, int64_t m0, int64_t mr, float* out) {
+  const int64_t blocks = mr * (a.K / 32);
+  const float* s = a.sums.data() + m0 * (a.K / 16);
+  for (int64_t b = 0; b < blocks; ++b)
+    _mm256_storeu_ps(out + b * 8, _mm256_set_m128(_mm_set1_ps(s[2 * b + 1]), _mm_set1_ps(s[2 * b])));
+}
+
+// out rows m0..m0+MR, columns of one quad of weight rows, over all blocks
+template <int MR>
+inline void quad_rows(const uint8_t* codes, const float* factors, const int8_t* xq, const float* xd,
+                      const float* xs, int64_t K, int64_t nb, __m256 acc[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* c = reinterpret_cast<const __m256i*>(codes + b * 128);
+    const __m256i w0 = _mm256_loadu_si256(c), w1 = _mm256_loadu_si256(c + 1), w2 = _mm256_loadu_si256(c + 2),
+                  w3 = _mm256_loadu_si256(c + 3);
+    const __m256 sv = _mm256_loadu_ps(factors + b * 16), cv = _mm256_loadu_ps(factors + b * 16 + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones);
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones);
+      const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(w2, x), ones);
+      const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(w3, x), ones);
+      // a 4x4 transpose-and-add in each lane: lane j of h sums p_j's four values there
+      const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+      const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+      const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs + (m * nb + b) * 8), acc[m]);
+    }
+  }
+}
+
+constexpr int kTileRows = 4;  // activation rows per register tile
+
+template <int MR>
+void tile_outputs(const WeightTile& t, const Activations& a, int64_t m0, int64_t n0, const float* bias, float* out,
+                  int64_t N) {
+  const int64_t K = a.K, nb = K / 32;
+  thread_local std::vector<float> sums;
+  sums.resize(MR * nb * 8);
+  half_sums(a, m0, MR, sums.data());
+  for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
+    __m256 acc[MR];
+    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, a.q8.data() + m0 * K,
+                  a.d8.data() + m0 * nb, sums.data(), K, nb, acc);
+    const int64_t n = n0 + 4 * q;
+    const __m128 bv = bias && t.rows - 4 * q >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m128 v = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), bv);
+      if (t.rows - 4 * q >= 4) {
+        _mm_storeu_ps(out + (m0 + m) * N + n, v);
+      } else {
+        alignas(16) float r[4];
+        _mm_store_ps(r, v);
+        for (int j = 0; 4 * q + j < t.rows; ++j) out[(m0 + m) * N + n + j] = r[j] + (bias ? bias[n + j] : 0.f);
+      }
+    }
+  }
+}
+
+template <int BITS, typename S>
+void gemm_as(const Packed& w, const Activations& a, const float* bias, float* out) {
+  const int64_t N = w.N, K = w.K, M = a.M;
+  // a tile's codes (rows x K bytes) stay in L2 while every activation row passes over them, and
+  // the activation rows of one pass (kPassBytes) stay there too
+  constexpr int64_t kTileBytes = 96 << 10, kPassBytes = 192 << 10;
+  // tiles of about kTileBytes and at least 4 per thread, taken in turn by whichever thread is
+  // free: a core slowed down by another process then takes fewer of them
+  const int64_t threads = at::get_num_threads();
+  int64_t tiles = std::max<int64_t>(4 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+  const int64_t tile = std::max<int64_t>(4, ((N + tiles - 1) / tiles + 3) / 4 * 4);
+  tiles = (N + tile - 1) / tile;
+  const int64_t pass = std::max<int64_t>(kTileRows, kPassBytes / K / kTileRows * kTileRows);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local WeightTile t;
+    for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
+      const int64_t n0 = i * tile, rows = std::min(tile, N - n0);
+      widen_tile<BITS, S>(w, n0, rows, t);
+      for (int64_t p0 = 0; p0 < M; p0 += pass) {
+        const int64_t p1 = std::min(M, p0 + pass);
+        int64_t m0 = p0;
+        for (; m0 + kTileRows <= p1; m0 += kTileRows) tile_outputs<kTileRows>(t, a, m0, n0, bias, out, N);
+        switch (p1 - m0) {
+          case 3: tile_outputs<3>(t, a, m0, n0, bias, out, N); break;
+          case 2: tile_outputs<2>(t, a, m0, n0, bias, out, N); break;
+          case 1: tile_outputs<1>(t, a, m0, n0, bias, out, N); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool int8_gemm_path(const Packed& w) { return (w.bits == 4 || w.bits == 5 || w.bits == 6) && w.K % 32 == 0; }
+
+bool product_rows_takes(const Packed& w, int64_t M, bool int8) {
+  return (int8 && int8_gemm_path(w)) || M <= (int8 && int8_path(w) ? 2 * kMaxDirectRows : kMaxDirectRows);
+}
+
+void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
+                  Activations& a) {
+  // from 9 rows on, the tiles beat the direct kernel (1.3-1.6x at 16 rows), below it the widening
+  // of the weight does not pay
+  const bool gemm = int8 && int8_gemm_path(w) && M > kMaxDirectRows;
+  a.prepare(x, M, w.K, gemm || w.mins != nullptr, int8 && int8_path(w));
+  if (gemm) {
+    int8_gemm(w, a, bias, out);
+  } else {
+    small_matmul(w, a, bias, out);
+  }
+}
+
+void int8_gemm(const Packed& w, const Activations& a, const float* bias, float* out) {
+  TORCH_CHECK(a.quantized && a.K == w.K && int8_gemm_path(w), "int8_gemm: 8-bit activation rows and 4-, 5- or 6-bit codes");
+  TORCH_CHECK(!a.sums.empty(), "int8_gemm needs the activation sums");
+  if (w.half) {
+    if (w.bits == 4) gemm_as<4, uint16_t>(w, a, bias, out);
+    else if (w.bits == 5) gemm_as<5, uint16_t>(w, a, bias, out);
+    else gemm_as<6, uint16_t>(w, a, bias, out);
+  } else {
+    if (w.bits == 4) gemm_as<4, float>(w, a, bias, out);
+    else if (w.bits == 5) gemm_as<5, float>(w, a, bias, out);
+    else gemm_as<6, float>(w, a, bias, out);
+  }
+}
+
+}  // namespace tianxia
