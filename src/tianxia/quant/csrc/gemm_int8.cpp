@@ -66,28 +66,43 @@ void widen_tile(const Packed& w, int64_t n0, int64_t rows, WeightTile& t) {
   }
 }
 
-// The sums of each 16 activations of rows m0..m0+MR as the folded vectors meet them: [MR, nb, 8],
-// the block's first half's sum in the low lane and the second's in the high lane.
-void half_sums(const Activations& a, int64_t m0, int64_t mr, float* out) {
-  const int64_t blocks = mr * (a.K / 32);
-  const float* s = a.sums.data() + m0 * (a.K / 16);
-  for (int64_t b = 0; b < blocks; ++b)
-    _mm256_storeu_ps(out + b * 8, _mm256_set_m128(_mm_set1_ps(s[2 * b + 1]), _mm_set1_ps(s[2 * b])));
+// Activation rows m0..m0+MR as one panel that the register tile walks with a single pointer (with
+// a pointer and a scale per row, the loop ran out of registers): per block, the MR rows' 32 codes,
+// their MR scales, then per row the sums of the block's two halves as the folded vectors meet
+// them (the first half's sum in the low lane, the second's in the high lane).
+template <int MR>
+constexpr int64_t kPanelBlock = MR * 32 + MR * 4 + MR * 32;
+
+template <int MR>
+void pack_panel(const Activations& a, int64_t m0, uint8_t* panel) {
+  const int64_t K = a.K, nb = K / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* p = panel + b * kPanelBlock<MR>;
+    float* d = reinterpret_cast<float*>(p + MR * 32);
+    float* s = d + MR;
+    for (int m = 0; m < MR; ++m) {
+      const int64_t row = m0 + m;
+      std::memcpy(p + m * 32, a.q8.data() + row * K + b * 32, 32);
+      d[m] = a.d8[row * nb + b];
+      const float* hs = a.sums.data() + row * (K / 16) + 2 * b;
+      _mm256_storeu_ps(s + m * 8, _mm256_set_m128(_mm_set1_ps(hs[1]), _mm_set1_ps(hs[0])));
+    }
+  }
 }
 
-// out rows m0..m0+MR, columns of one quad of weight rows, over all blocks
+// acc[m]: rows m of the panel against one quad of weight rows, over all blocks
 template <int MR>
-inline void quad_rows(const uint8_t* codes, const float* factors, const int8_t* xq, const float* xd,
-                      const float* xs, int64_t K, int64_t nb, __m256 acc[MR]) {
+inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t* panel, int64_t nb, __m256 acc[MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* c = reinterpret_cast<const __m256i*>(codes + b * 128);
+  for (int64_t b = 0; b < nb; ++b, codes += 128, factors += 16, panel += kPanelBlock<MR>) {
+    const __m256i* c = reinterpret_cast<const __m256i*>(codes);
     const __m256i w0 = _mm256_loadu_si256(c), w1 = _mm256_loadu_si256(c + 1), w2 = _mm256_loadu_si256(c + 2),
                   w3 = _mm256_loadu_si256(c + 3);
-    const __m256 sv = _mm256_loadu_ps(factors + b * 16), cv = _mm256_loadu_ps(factors + b * 16 + 8);
+    const __m256 sv = _mm256_loadu_ps(factors), cv = _mm256_loadu_ps(factors + 8);
+    const float* d = reinterpret_cast<const float*>(panel + MR * 32);
     for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
       const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones);
       const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones);
       const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(w2, x), ones);
@@ -96,8 +111,8 @@ inline void quad_rows(const uint8_t* codes, const float* factors, const int8_t* 
       const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
       const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
       const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs + (m * nb + b) * 8), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[m]);
     }
   }
 }
@@ -107,14 +122,13 @@ constexpr int kTileRows = 4;  // activation rows per register tile
 template <int MR>
 void tile_outputs(const WeightTile& t, const Activations& a, int64_t m0, int64_t n0, const float* bias, float* out,
                   int64_t N) {
-  const int64_t K = a.K, nb = K / 32;
-  thread_local std::vector<float> sums;
-  sums.resize(MR * nb * 8);
-  half_sums(a, m0, MR, sums.data());
+  const int64_t nb = a.K / 32;
+  thread_local std::vector<uint8_t> panel;
+  panel.resize(nb * kPanelBlock<MR>);
+  pack_panel<MR>(a, m0, panel.data());
   for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
     __m256 acc[MR];
-    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, a.q8.data() + m0 * K,
-                  a.d8.data() + m0 * nb, sums.data(), K, nb, acc);
+    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel.data(), nb, acc);
     const int64_t n = n0 + 4 * q;
     const __m128 bv = bias && t.rows - 4 * q >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
     for (int m = 0; m < MR; ++m) {
