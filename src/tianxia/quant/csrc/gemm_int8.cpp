@@ -5,11 +5,10 @@
 // unsigned operand: 5- and 6-bit codes keep their +16 / +32 offset, so every code is 0..63 and
 // needs neither ggml's sign trick nor can it saturate (2 * 63 * 127 < 2^15). (8-bit codes would
 // need the sign trick, an extra op per product and a second widened copy: measured no faster
-// than BLAS on dequantized tiles, so they stay there.) Four weight rows and a few activation
-// rows then meet in a register tile: per block of
-// 32, four maddubs/madd dot products are folded by a 4x4 transpose-add into one vector (lanes:
-// the four weight rows' low and high 16 elements), which takes one convert and one multiply-add
-// with the block's scales. Offsets and mins take one more multiply-add with the activations' sums:
+// than BLAS on dequantized tiles, so they stay there.) Four weight rows and four activation rows
+// then meet in a register tile: per block of 32, four maddubs/madd dot products are folded by a
+// 4x4 transpose-add into one vector (lanes: the four weight rows' low and high 16 elements),
+// which takes one convert and one multiply-add with the block's scales. Offsets and mins take one more multiply-add with the activations' sums:
 //   sum_k x_k (s (u_k - off) + min) = s d_x (u . q_x) + (min - off s) sum_k x_k   per half block.
 #include "kernels.h"
 
@@ -120,15 +119,11 @@ inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t*
 constexpr int kTileRows = 4;  // activation rows per register tile
 
 template <int MR>
-void tile_outputs(const WeightTile& t, const Activations& a, int64_t m0, int64_t n0, const float* bias, float* out,
-                  int64_t N) {
-  const int64_t nb = a.K / 32;
-  thread_local std::vector<uint8_t> panel;
-  panel.resize(nb * kPanelBlock<MR>);
-  pack_panel<MR>(a, m0, panel.data());
+void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
+                  float* out, int64_t N) {
   for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
     __m256 acc[MR];
-    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel.data(), nb, acc);
+    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel, nb, acc);
     const int64_t n = n0 + 4 * q;
     const __m128 bv = bias && t.rows - 4 * q >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
     for (int m = 0; m < MR; ++m) {
@@ -146,34 +141,43 @@ void tile_outputs(const WeightTile& t, const Activations& a, int64_t m0, int64_t
 
 template <int BITS, typename S>
 void gemm_as(const Packed& w, const Activations& a, const float* bias, float* out) {
-  const int64_t N = w.N, K = w.K, M = a.M;
-  // a tile's codes (rows x K bytes) stay in L2 while every activation row passes over them, and
-  // the activation rows of one pass (kPassBytes) stay there too
-  constexpr int64_t kTileBytes = 96 << 10, kPassBytes = 192 << 10;
-  // tiles of about kTileBytes and at least 4 per thread, taken in turn by whichever thread is
-  // free: a core slowed down by another process then takes fewer of them
+  const int64_t N = w.N, K = w.K, M = a.M, nb = K / 32;
+  // the activation panels, once per call: rows 4c..4c+3 at c * nb * kPanelBlock<4>, then the
+  // last 1-3 rows
+  constexpr int R = kTileRows;
+  const int64_t full = M / R, rest = M % R, span = nb * kPanelBlock<R>;
+  thread_local std::vector<uint8_t> buffer;  // (a lambda would see its own thread's: use the pointer)
+  buffer.resize(full * span + nb * kPanelBlock<R - 1>);
+  uint8_t* const panels = buffer.data();
+  at::parallel_for(0, full + (rest > 0), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      uint8_t* p = panels + c * span;
+      if (c < full) pack_panel<R>(a, R * c, p);
+      else if (rest == 3) pack_panel<3>(a, R * c, p);
+      else if (rest == 2) pack_panel<2>(a, R * c, p);
+      else pack_panel<1>(a, R * c, p);
+    }
+  });
+  // a tile's codes (rows x K bytes) stay in L2 while every activation row passes over them; the
+  // tiles, about kTileBytes and at least 8 per thread, go in turn to whichever thread is free (a
+  // core slowed down by another process takes fewer, and the last tile keeps the other waiting
+  // only briefly)
+  constexpr int64_t kTileBytes = 96 << 10;
   const int64_t threads = at::get_num_threads();
-  int64_t tiles = std::max<int64_t>(4 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+  int64_t tiles = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
   const int64_t tile = std::max<int64_t>(4, ((N + tiles - 1) / tiles + 3) / 4 * 4);
   tiles = (N + tile - 1) / tile;
-  const int64_t pass = std::max<int64_t>(kTileRows, kPassBytes / K / kTileRows * kTileRows);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local WeightTile t;
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
       const int64_t n0 = i * tile, rows = std::min(tile, N - n0);
       widen_tile<BITS, S>(w, n0, rows, t);
-      for (int64_t p0 = 0; p0 < M; p0 += pass) {
-        const int64_t p1 = std::min(M, p0 + pass);
-        int64_t m0 = p0;
-        for (; m0 + kTileRows <= p1; m0 += kTileRows) tile_outputs<kTileRows>(t, a, m0, n0, bias, out, N);
-        switch (p1 - m0) {
-          case 3: tile_outputs<3>(t, a, m0, n0, bias, out, N); break;
-          case 2: tile_outputs<2>(t, a, m0, n0, bias, out, N); break;
-          case 1: tile_outputs<1>(t, a, m0, n0, bias, out, N); break;
-          default: break;
-        }
-      }
+      for (int64_t c = 0; c < full; ++c) tile_outputs<R>(t, panels + c * span, nb, R * c, n0, bias, out, N);
+      const uint8_t* p = panels + full * span;
+      if (rest == 3) tile_outputs<3>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 2) tile_outputs<2>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 1) tile_outputs<1>(t, p, nb, R * full, n0, bias, out, N);
     }
   });
 }
