@@ -31,14 +31,15 @@ def test_silu_and_mul_matches_torch(ext):
 
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # register-tiled sizes and the generic one
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (37, 0.0), (0, 30.0)])
-def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, window, softcap):
+def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, window, softcap, cache_dtype):
     g = torch.Generator().manual_seed(head_dim + window)
     hq, hk, bs, blocks = 6, 2, 16, 40
     lens = [1, 7, 8, 45, 130]  # fewer than, exactly and more than 8 keys per pass, ragged ends
-    k_cache = torch.randn(blocks, bs, hk, head_dim, generator=g)
-    v_cache = torch.randn(blocks, bs, hk, head_dim, generator=g)
+    k_cache = torch.randn(blocks, bs, hk, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, hk, head_dim, generator=g).to(cache_dtype)
     perm = torch.randperm(blocks, generator=g)  # blocks scattered over the cache
     per_seq = -(-max(lens) // bs)
     tables = torch.stack([perm[(i * 3) % (blocks - per_seq):][:per_seq] for i in range(len(lens))])
@@ -47,8 +48,8 @@ def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, w
     got = ext.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale, window, softcap)
     for b, n in enumerate(lens):
         slots = [(int(tables[b, t // bs]), t % bs) for t in range(n)]
-        keys = torch.stack([k_cache[blk, off] for blk, off in slots])  # [n, hk, D]
-        values = torch.stack([v_cache[blk, off] for blk, off in slots])
+        keys = torch.stack([k_cache[blk, off] for blk, off in slots]).float()  # [n, hk, D]
+        values = torch.stack([v_cache[blk, off] for blk, off in slots]).float()
         start = max(0, n - window) if window else 0
         keys, values = keys[start:], values[start:]
         rep = hq // hk

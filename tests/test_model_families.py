@@ -320,10 +320,13 @@ LLAMA_STYLE = ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "m
 
 
 @pytest.mark.parametrize("arch", LLAMA_STYLE)
-def test_fused_cpu_decode_matches_the_module_path(arch, family_dirs):
+@pytest.mark.parametrize("kv", ["auto", "fp16"])
+def test_fused_cpu_decode_matches_the_module_path(arch, kv, family_dirs):
     """Decode steps as one C++ call: the same tokens and logprobs as the module path, for a batch
-    of sequences of different lengths decoding past the sliding windows."""
-    llm = LLM(str(family_dirs(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+    of sequences of different lengths decoding past the sliding windows (float32 and float16
+    caches)."""
+    llm = LLM(str(family_dirs(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              kv_cache_dtype=kv)
     model = llm.engine.runner.model.model
     ids = llm.get_tokenizer().encode(PROMPT)
     prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 6, 11)]

@@ -58,7 +58,8 @@ class TorchAttention(AttentionBackend):
         window = sliding_window
 
         nd = meta.num_decodes
-        ext = fused_ops(k_cache) if nd else None
+        # (the fused op reads float32 or float16 caches)
+        ext = fused_ops(q) if nd and k_cache.dtype in (torch.float32, torch.float16) else None
         if ext is not None:
             # all decodes in one call that reads K/V straight from their blocks
             out[:nd] = ext.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],

@@ -195,21 +195,31 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-// attention of one query token per sequence over its paged K/V (float32 caches [blocks, bs, Hk, D]):
-// the decode half of a step, as one call for the whole batch
+// attention of one query token per sequence over its paged K/V (float32 or float16 caches
+// [blocks, bs, Hk, D]): the decode half of a step, as one call for the whole batch
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            int64_t window, double softcap) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous());
+  const bool half = k_cache.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || k_cache.scalar_type() == torch::kFloat32) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode needs contiguous float32 or float16 caches");
   q = q.to(torch::kFloat32).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   auto out = torch::empty_like(q);
-  paged_decode_rows(q.data_ptr<float>(), Hq * D, out.data_ptr<float>(), Hq * D, k_cache.data_ptr<float>(),
-                    v_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
-                    seq_lens.data_ptr<int64_t>(), B, Hq, k_cache.size(2), D, k_cache.size(1), (float)scale,
-                    window, (float)softcap);
+  auto run = [&](auto* kc, auto* vc) {
+    paged_decode_rows(q.data_ptr<float>(), Hq * D, out.data_ptr<float>(), Hq * D, kc, vc,
+                      block_tables.data_ptr<int64_t>(), block_tables.size(1), seq_lens.data_ptr<int64_t>(), B, Hq,
+                      k_cache.size(2), D, k_cache.size(1), (float)scale, window, (float)softcap);
+  };
+  if (half) {
+    run(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::Half>()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::Half>()));
+  } else {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
   return out;
 }
 

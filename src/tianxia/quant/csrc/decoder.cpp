@@ -5,7 +5,7 @@
 // It covers what models/llama.py's module path computes for the families it supports (q/k/v
 // bias, q/k norms, sandwich norms, Gemma's offset norms, SiLU or tanh-GELU gating, partial and
 // interleaved RoPE, sliding windows, attention soft-capping), for steps of single-token
-// decodes with a float32 cache; anything else takes the module path.
+// decodes with a float32 or float16 cache; anything else takes the module path.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -26,7 +26,7 @@ enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQ, kK, k
 struct Layer {
   Linear qkv, o, gate_up, down;
   at::Tensor norms[kNumNorms];  // undefined where the model has none
-  at::Tensor k_cache, v_cache;   // [blocks, block_size, Hk, D] float32
+  at::Tensor k_cache, v_cache;   // [blocks, block_size, Hk, D] float32 or float16
   int64_t rope = 0, window = 0;
 };
 
@@ -48,9 +48,10 @@ class Decoder {
   void add_layer(std::vector<at::Tensor> linears, std::vector<int64_t> formats, std::vector<at::Tensor> norms,
                  at::Tensor kv_cache, int64_t rope, int64_t window) {
     TORCH_CHECK(linears.size() == 16 && formats.size() == 8 && norms.size() == kNumNorms, "bad layer");
-    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
-                    kv_cache.size(3) == Hk_ && kv_cache.size(4) == D_,
-                "the fused decoder needs a float32 cache [2, blocks, block_size, Hk, D]");
+    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf) &&
+                    kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == Hk_ &&
+                    kv_cache.size(4) == D_,
+                "the fused decoder needs a float32 or float16 cache [2, blocks, block_size, Hk, D]");
     Layer l;
     Linear* lin[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     const int64_t shapes[4][2] = {{(Hq_ + 2 * Hk_) * D_, H_}, {H_, Hq_ * D_}, {2 * I_, H_}, {H_, I_}};
@@ -132,15 +133,23 @@ class Decoder {
       const at::Tensor& table = rope_tables.at(L.rope);
       rope_rows(qkv_.data(), QKV, Hq_, qkv_.data() + Qs, QKV, Hk_, D_, pos, M, table.data_ptr<float>(),
                 table.size(1), interleaved_);
-      float* kc = L.k_cache.data_ptr<float>();
-      float* vc = L.v_cache.data_ptr<float>();
-      for (int64_t t = 0; t < M; ++t) {
-        std::memcpy(kc + slot[t] * KVs, qkv_.data() + t * QKV + Qs, sizeof(float) * KVs);
-        std::memcpy(vc + slot[t] * KVs, qkv_.data() + t * QKV + Qs + KVs, sizeof(float) * KVs);
+      if (L.k_cache.scalar_type() == at::kHalf) {
+        uint16_t* kc = reinterpret_cast<uint16_t*>(L.k_cache.data_ptr<at::Half>());
+        uint16_t* vc = reinterpret_cast<uint16_t*>(L.v_cache.data_ptr<at::Half>());
+        for (int64_t t = 0; t < M; ++t) {
+          to_half(qkv_.data() + t * QKV + Qs, kc + slot[t] * KVs, KVs);
+          to_half(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * KVs, KVs);
+        }
+        attend(qkv_.data(), QKV, kc, vc, L, block_tables, seq_lens, M);
+      } else {
+        float* kc = L.k_cache.data_ptr<float>();
+        float* vc = L.v_cache.data_ptr<float>();
+        for (int64_t t = 0; t < M; ++t) {
+          std::memcpy(kc + slot[t] * KVs, qkv_.data() + t * QKV + Qs, sizeof(float) * KVs);
+          std::memcpy(vc + slot[t] * KVs, qkv_.data() + t * QKV + Qs + KVs, sizeof(float) * KVs);
+        }
+        attend(qkv_.data(), QKV, kc, vc, L, block_tables, seq_lens, M);
       }
-      paged_decode_rows(qkv_.data(), QKV, attn_.data(), Qs, kc, vc, block_tables.data_ptr<int64_t>(),
-                        block_tables.size(1), seq_lens.data_ptr<int64_t>(), M, Hq_, Hk_, D_, L.k_cache.size(1),
-                        scale_, L.window, softcap_);
       linear(L.o, attn_.data(), M, h);
       if (!sandwich_) {
         rms_norm_rows(h, r, r, n, L.norms[kPostAttention].data_ptr<float>(), M, H_, eps_, offset_);
@@ -162,6 +171,23 @@ class Decoder {
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
  private:
+  // float32 to float16, round to nearest even (the cache's rows)
+  static void to_half(const float* x, uint16_t* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+  }
+
+  template <typename T>
+  void attend(const float* qkv, int64_t QKV, const T* kc, const T* vc, const Layer& L, const at::Tensor& block_tables,
+              const at::Tensor& seq_lens, int64_t M) {
+    paged_decode_rows(qkv, QKV, attn_.data(), Hq_ * D_, kc, vc, block_tables.data_ptr<int64_t>(),
+                      block_tables.size(1), seq_lens.data_ptr<int64_t>(), M, Hq_, Hk_, D_, L.k_cache.size(1), scale_,
+                      L.window, softcap_);
+  }
+
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     product_rows(l.w, x, M, int8_, l.b, out, a_);
   }

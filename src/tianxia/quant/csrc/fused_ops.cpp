@@ -90,11 +90,15 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-// one (sequence, KV head): its rep query heads over n cached tokens; ND = D / 8 when the head size
-// is 64 or 128 (the accumulators then stay in registers), 0 for any other size
-template <int ND>
-void attend_kv_head(const float* q, float* out, const float* const* k, const float* const* v, int64_t n,
-                    int64_t rep, int64_t D, float scale, float softcap, std::vector<float>& scores) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// one (sequence, KV head): its rep query heads over n cached tokens (float32 or float16 rows T);
+// ND = D / 8 when the head size is 64 or 128 (the accumulators then stay in registers), 0 for any
+// other size
+template <int ND, typename T>
+void attend_kv_head(const float* q, float* out, const T* const* k, const T* const* v, int64_t n, int64_t rep,
+                    int64_t D, float scale, float softcap, std::vector<float>& scores) {
   scores.resize(rep * n);
   for (int64_t r = 0; r < rep; ++r) {
     const float* qr = q + r * D;
@@ -106,12 +110,20 @@ void attend_kv_head(const float* q, float* out, const float* const* k, const flo
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8) {
           const __m256 qc = _mm256_loadu_ps(qr + c);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(k[t + i] + c), qc, acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(load8(k[t + i] + c), qc, acc[i]);
         }
         _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
       }
     }
-    for (; t < n; ++t) sr[t] = dot(qr, k[t], D) * scale;
+    for (; t < n; ++t) {
+      if constexpr (std::is_same_v<T, float>) {
+        sr[t] = dot(qr, k[t], D) * scale;
+      } else {
+        float d = 0.f;
+        for (int64_t c = 0; c < D; ++c) d += qr[c] * to_float(k[t][c]);
+        sr[t] = d * scale;
+      }
+    }
     if (softcap > 0)
       for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
     float mx = -INFINITY;
@@ -133,13 +145,13 @@ void attend_kv_head(const float* q, float* out, const float* const* k, const flo
       for (int c = 0; c < ND; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t t2 = 0; t2 < n; ++t2) {
         const __m256 p = _mm256_set1_ps(sr[t2]);
-        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v[t2] + 8 * c), acc[c]);
+        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v[t2] + 8 * c), acc[c]);
       }
       for (int c = 0; c < ND; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
     } else {
       std::fill(o, o + D, 0.f);
       for (int64_t t2 = 0; t2 < n; ++t2)
-        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * v[t2][d];
+        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * to_float(v[t2][d]);
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
@@ -147,15 +159,16 @@ void attend_kv_head(const float* q, float* out, const float* const* k, const flo
 
 }  // namespace
 
-void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const float* k_cache,
-                       const float* v_cache, const int64_t* block_tables, int64_t max_blocks,
-                       const int64_t* seq_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                       int64_t block_size, float scale, int64_t window, float softcap) {
+template <typename T>
+void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const T* k_cache, const T* v_cache,
+                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, int64_t B,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
+                       float softcap) {
   const int64_t rep = Hq / Hk, bs = block_size;
-  const auto attend = D == 64 ? attend_kv_head<8> : D == 128 ? attend_kv_head<16> : attend_kv_head<0>;
+  const auto attend = D == 64 ? attend_kv_head<8, T> : D == 128 ? attend_kv_head<16, T> : attend_kv_head<0, T>;
   at::parallel_for(0, B * Hk, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> scores;
-    std::vector<const float*> k, v;
+    std::vector<const T*> k, v;
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t b = j / Hk, hk = j % Hk, len = seq_lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
@@ -172,5 +185,12 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
     }
   });
 }
+
+template void paged_decode_rows<float>(const float*, int64_t, float*, int64_t, const float*, const float*,
+                                       const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t, float, int64_t, float);
+template void paged_decode_rows<uint16_t>(const float*, int64_t, float*, int64_t, const uint16_t*, const uint16_t*,
+                                          const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
+                                          int64_t, int64_t, float, int64_t, float);
 
 }  // namespace tianxia

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include <array>
+#include <atomic>
 #include <utility>
 
 namespace tianxia {
@@ -281,13 +282,22 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
   std::vector<float> gsum;
   if (w.mins) gsum = group_sums(w, a);
   const float* gs = gsum.empty() ? nullptr : gsum.data();
-  // a tile of weight rows stays in L1 while every chunk of activation rows passes it
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += kWeightTile) {
-      const int64_t t1 = std::min(n1, t0 + kWeightTile);
-      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
-        const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
-        table[mr - 1](w, a, gs, m0, bias, out, t0, t1);
+  // a tile of weight rows stays in L1 while every chunk of activation rows passes it; the tiles go
+  // in turn to whichever thread is free, so a core slowed down by another process takes fewer
+  // and neither waits long for the other at the end (about 8 shares per thread)
+  const int64_t threads = at::get_num_threads();
+  const int64_t share = std::max<int64_t>(1, w.N / (8 * threads * kWeightTile)) * kWeightTile;
+  const int64_t shares = (w.N + share - 1) / share;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < shares;) {
+      const int64_t n1 = std::min(w.N, (i + 1) * share);
+      for (int64_t t0 = i * share; t0 < n1; t0 += kWeightTile) {
+        const int64_t t1 = std::min(n1, t0 + kWeightTile);
+        for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
+          const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
+          table[mr - 1](w, a, gs, m0, bias, out, t0, t1);
+        }
       }
     }
   });

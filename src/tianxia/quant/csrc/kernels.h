@@ -205,10 +205,12 @@ void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t H
 void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu);
 
 // attention of B single query tokens (q rows of Hq*D floats, stride sq) over their paged K/V
-// (caches [blocks, bs, Hk, D]); out rows of Hq*D floats (stride so)
-void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const float* k_cache,
-                       const float* v_cache, const int64_t* block_tables, int64_t max_blocks,
-                       const int64_t* seq_lens, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                       int64_t block_size, float scale, int64_t window, float softcap);
+// (caches [blocks, bs, Hk, D] of float32 or float16, T = float or uint16_t); out rows of Hq*D
+// floats (stride so)
+template <typename T>
+void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const T* k_cache, const T* v_cache,
+                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, int64_t B,
+                       int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
+                       float softcap);
 
 }  // namespace tianxia
