@@ -1,7 +1,8 @@
 """The CPU kernels (``csrc/``), built on first use: matmuls with packed weights (``kernels.cpp``),
-the fused float32 ops of a decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged
-one-token attention; ``fused_ops.cpp``), each one call where torch would take several, and a
-whole decode step of a Llama-style model in one call (``decoder.cpp``).
+the integer GEMM for prompts and batched decode (``gemm_int8.cpp``), the fused float32 ops of a
+decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged one-token attention;
+``fused_ops.cpp``), each one call where torch would take several, and a whole decode step of a
+Llama-style model in one call (``decoder.cpp``).
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` (cached under
 ``$TORCH_EXTENSIONS_DIR``, about 40 s the first time). Without AVX2 or a C++ compiler, the same
@@ -58,8 +59,9 @@ def fused_ops(t: torch.Tensor):
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
     """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds every row to 8-bit codes per
-    32 values first (llama.cpp's numerics): a few rows (decode) then take integer dot products,
-    many rows (prefill) multiply the rounded values with BLAS. The torch fallback stays float."""
+    32 values first (llama.cpp's numerics): up to 8 rows then take integer dot products, more rows
+    the integer GEMM (4-, 5- and 6-bit codes) or BLAS on the rounded values (8-bit codes). The
+    torch fallback stays float."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
