@@ -204,4 +204,3 @@ def test_quantization_option_is_validated():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="fp8 weights need a CUDA GPU"):
             LLM("smollm2-135m", quantization="fp8", device="cpu")
-

@@ -92,7 +92,7 @@ class FusedDecoder:
             and hidden.dtype == torch.float32
             and not torch.is_grad_enabled()
             and meta.num_decodes == meta.num_seqs == hidden.shape[0] <= MAX_FUSED_BATCH
-            and kv_caches[0].dtype in (torch.float32, torch.float16)
+            and kv_caches[0].dtype in cpu_kernels.CACHE_DTYPES
         )
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -49,6 +49,10 @@ def extension():
         return None
 
 
+# the KV cache types that paged_decode and the fused decode step read
+CACHE_DTYPES = (torch.float32, torch.float16)
+
+
 def fused_ops(t: torch.Tensor):
     """The extension when ``t`` can take the fused float32 CPU ops (rms_norm, rope, silu_and_mul,
     paged_decode), else None."""

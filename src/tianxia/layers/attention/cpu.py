@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
-from tianxia.quant.cpu_kernels import fused_ops
+from tianxia.quant.cpu_kernels import CACHE_DTYPES, fused_ops
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -58,8 +58,7 @@ class TorchAttention(AttentionBackend):
         window = sliding_window
 
         nd = meta.num_decodes
-        # (the fused op reads float32 or float16 caches)
-        ext = fused_ops(q) if nd and k_cache.dtype in (torch.float32, torch.float16) else None
+        ext = fused_ops(q) if nd and k_cache.dtype in CACHE_DTYPES else None
         if ext is not None:
             # all decodes in one call that reads K/V straight from their blocks
             out[:nd] = ext.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],

@@ -134,21 +134,12 @@ class Decoder {
       rope_rows(qkv_.data(), QKV, Hq_, qkv_.data() + Qs, QKV, Hk_, D_, pos, M, table.data_ptr<float>(),
                 table.size(1), interleaved_);
       if (L.k_cache.scalar_type() == at::kHalf) {
-        uint16_t* kc = reinterpret_cast<uint16_t*>(L.k_cache.data_ptr<at::Half>());
-        uint16_t* vc = reinterpret_cast<uint16_t*>(L.v_cache.data_ptr<at::Half>());
-        for (int64_t t = 0; t < M; ++t) {
-          to_half(qkv_.data() + t * QKV + Qs, kc + slot[t] * KVs, KVs);
-          to_half(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * KVs, KVs);
-        }
-        attend(qkv_.data(), QKV, kc, vc, L, block_tables, seq_lens, M);
+        cache_and_attend(reinterpret_cast<uint16_t*>(L.k_cache.data_ptr<at::Half>()),
+                         reinterpret_cast<uint16_t*>(L.v_cache.data_ptr<at::Half>()), L, slot, block_tables,
+                         seq_lens, M);
       } else {
-        float* kc = L.k_cache.data_ptr<float>();
-        float* vc = L.v_cache.data_ptr<float>();
-        for (int64_t t = 0; t < M; ++t) {
-          std::memcpy(kc + slot[t] * KVs, qkv_.data() + t * QKV + Qs, sizeof(float) * KVs);
-          std::memcpy(vc + slot[t] * KVs, qkv_.data() + t * QKV + Qs + KVs, sizeof(float) * KVs);
-        }
-        attend(qkv_.data(), QKV, kc, vc, L, block_tables, seq_lens, M);
+        cache_and_attend(L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>(), L, slot, block_tables, seq_lens,
+                         M);
       }
       linear(L.o, attn_.data(), M, h);
       if (!sandwich_) {
@@ -171,8 +162,9 @@ class Decoder {
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
  private:
-  // float32 to float16, round to nearest even (the cache's rows)
-  static void to_half(const float* x, uint16_t* out, int64_t n) {
+  // a K or V row into a float32 or (rounded to nearest even) float16 cache
+  static void store_row(const float* x, float* out, int64_t n) { std::memcpy(out, x, sizeof(float) * n); }
+  static void store_row(const float* x, uint16_t* out, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
@@ -180,10 +172,16 @@ class Decoder {
     for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
   }
 
+  // the step's K/V rows (in qkv_) into the layer's cache, then attention over it into attn_
   template <typename T>
-  void attend(const float* qkv, int64_t QKV, const T* kc, const T* vc, const Layer& L, const at::Tensor& block_tables,
-              const at::Tensor& seq_lens, int64_t M) {
-    paged_decode_rows(qkv, QKV, attn_.data(), Hq_ * D_, kc, vc, block_tables.data_ptr<int64_t>(),
+  void cache_and_attend(T* kc, T* vc, const Layer& L, const int64_t* slot, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t M) {
+    const int64_t Qs = Hq_ * D_, KVs = Hk_ * D_, QKV = Qs + 2 * KVs;
+    for (int64_t t = 0; t < M; ++t) {
+      store_row(qkv_.data() + t * QKV + Qs, kc + slot[t] * KVs, KVs);
+      store_row(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * KVs, KVs);
+    }
+    paged_decode_rows(qkv_.data(), QKV, attn_.data(), Qs, kc, vc, block_tables.data_ptr<int64_t>(),
                       block_tables.size(1), seq_lens.data_ptr<int64_t>(), M, Hq_, Hk_, D_, L.k_cache.size(1), scale_,
                       L.window, softcap_);
   }

@@ -90,9 +90,6 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // one (sequence, KV head): its rep query heads over n cached tokens (float32 or float16 rows T);
 // ND = D / 8 when the head size is 64 or 128 (the accumulators then stay in registers), 0 for any
 // other size
@@ -115,15 +112,7 @@ void attend_kv_head(const float* q, float* out, const T* const* k, const T* cons
         _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
       }
     }
-    for (; t < n; ++t) {
-      if constexpr (std::is_same_v<T, float>) {
-        sr[t] = dot(qr, k[t], D) * scale;
-      } else {
-        float d = 0.f;
-        for (int64_t c = 0; c < D; ++c) d += qr[c] * to_float(k[t][c]);
-        sr[t] = d * scale;
-      }
-    }
+    for (; t < n; ++t) sr[t] = dot_mixed(k[t], qr, D) * scale;
     if (softcap > 0)
       for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
     float mx = -INFINITY;

@@ -132,6 +132,9 @@ void round_rows_q8(const float* x, float* out, int64_t blocks) {
 
 bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
 
+namespace {
+
+// [M, groups]: the sums of each activation row over each group of w, for its mins
 std::vector<float> group_sums(const Packed& w, const Activations& a) {
   const int64_t per = w.group / 16, ng = w.groups;
   std::vector<float> gsum(a.M * ng, 0.f);
@@ -140,8 +143,6 @@ std::vector<float> group_sums(const Packed& w, const Activations& a) {
       for (int64_t i = 0; i < per; ++i) gsum[m * ng + g] += a.sums[m * (a.K / 16) + g * per + i];
   return gsum;
 }
-
-namespace {
 
 template <int MR, typename S>
 void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
@@ -201,7 +202,7 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
       }
     }
     if (const S* mn = w.mins_of<S>(n))
-      for (int m = 0; m < MR; ++m) off[m] += dot_scales(mn, gsum + (m0 + m) * ng, ng);
+      for (int m = 0; m < MR; ++m) off[m] += dot_mixed(mn, gsum + (m0 + m) * ng, ng);
     const float b = bias ? bias[n] : 0.f;
     for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + b;
   }
@@ -245,7 +246,7 @@ void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t
       }
     }
     if (const S* mn = w.mins_of<S>(n))  // sum_g min_g * (sum of the row over group g), one dot per row
-      for (int m = 0; m < MR; ++m) off[m] = dot_scales(mn, gsum + (m0 + m) * ng, ng);
+      for (int m = 0; m < MR; ++m) off[m] = dot_mixed(mn, gsum + (m0 + m) * ng, ng);
     const float bv = bias ? bias[n] : 0.f;
     for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + bv;
   }

@@ -112,21 +112,19 @@ inline void widen_block(int64_t bits, const uint8_t* p, __m256 w[4]) {
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
 
-// sum_i a[i] * b[i] with a's float16 or float32 values
+// 8 floats from float32 or float16 (widened with F16C) memory
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// sum_i a[i] * b[i] with a's float16 or float32 values (for float32, the same sums as dot)
 template <typename S>
-inline float dot_scales(const S* a, const float* b, int64_t n) {
-  if constexpr (std::is_same_v<S, float>) {
-    return dot(a, b, n);
-  } else {
-    int64_t i = 0;
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8)
-      acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))),
-                            _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; ++i) s += to_float(a[i]) * b[i];
-    return s;
-  }
+inline float dot_mixed(const S* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += to_float(a[i]) * b[i];
+  return s;
 }
 
 struct Packed {
@@ -170,9 +168,6 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
 
 // Whether the integer dot products (8-bit activations) are used for products with `w`.
 bool int8_path(const Packed& w);
-
-// [M, groups]: the sums of each activation row over each group of w (for its mins and offsets)
-std::vector<float> group_sums(const Packed& w, const Activations& a);
 
 // Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits.
 bool int8_gemm_path(const Packed& w);
