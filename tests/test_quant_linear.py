@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 from helpers import INT8_NEAR_TIE, assert_greedy_match
 
 from tianxia import LLM, SamplingParams
-from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
 from tianxia.quant import cpu_kernels
 from tianxia.quant.gguf_codecs import dequantize
 from tianxia.quant.packed import (
@@ -20,6 +20,7 @@ from tianxia.quant.packed import (
     concat_rows,
     from_gguf,
     quantize_float,
+    stack_runs,
 )
 from tianxia.quant.quantize import quantize_array
 
@@ -107,14 +108,28 @@ def test_many_rows_equal_the_direct_integer_kernel(kind):
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5, f"{kind}, {m} rows"
 
 
-def test_fused_rows_of_mixed_types_stay_exact():
-    # Q4_K_M files mix types inside one fused projection (q, k: Q4_K / Q5_0, v: Q6_K)
-    parts = [_gguf_matrix(t, seed=i) for i, t in enumerate((QT.Q4_K, QT.Q5_0, QT.Q6_K))]
-    packed = concat_rows([from_gguf(raw, t, (ROWS, COLS)) for (raw, _), t in
-                          zip(parts, (QT.Q4_K, QT.Q5_0, QT.Q6_K))])
+def test_fused_projection_of_mixed_types_keeps_each_part():
+    # GGUF mixes write one fused projection in several types (q, k: Q5_0, v: Q8_0; or Q4_K, Q5_0,
+    # Q6_K): runs of one layout are stacked, each run keeps its own codes and kernel, and the
+    # outputs meet side by side, bias after; float and 8-bit activations, direct kernel and GEMM
+    types = (QT.Q5_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q4_0, QT.Q6_K)
+    parts = [_gguf_matrix(t, seed=i) for i, t in enumerate(types)]
+    runs = stack_runs([from_gguf(raw, t, (ROWS, COLS)) for (raw, _), t in zip(parts, types)])
+    assert [(r.bits, r.shape[0]) for r in runs] == [(5, 2 * ROWS), (8, ROWS), (4, 2 * ROWS), (6, ROWS)]
+    with pytest.raises(ValueError, match="layouts differ"):
+        concat_rows(runs)
     reference = torch.cat([ref for _, ref in parts])
-    assert packed.bits == 8 and packed.group == 16
-    _check_products(packed, reference)
+    bias = torch.randn(reference.shape[0])
+    layer = SplitQuantizedLinear(runs, bias.clone())
+    for m in (1, 8, 9, 40):
+        x = torch.randn(m, COLS)
+        want = torch.nn.functional.linear(x, reference, bias)
+        for int8, tol in ((False, 1e-5), (True, 0.03)):
+            for part in layer.parts:
+                part.int8 = int8
+            got = layer(x)
+            assert got.shape == want.shape
+            assert float((got - want).norm() / want.norm()) < tol, (m, int8)
 
 
 @pytest.mark.parametrize("bits", [5, 6])

@@ -56,3 +56,21 @@ class QuantizedEmbedding(_Packed):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None, self.int8)
+
+
+class SplitQuantizedLinear(nn.Module):
+    """A fused projection whose parts came in different encodings (a Q5_0 q/k with a Q8_0 v, as
+    llama.cpp's mixes write them): one :class:`QuantizedLinear` per part, outputs side by side.
+    Widening every part to the 8-bit layout would hold them all too, but larger, and off the
+    integer GEMM that prompts take for 4- to 6-bit codes."""
+
+    def __init__(self, parts: list[PackedWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(QuantizedLinear(p) for p in parts)
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -14,7 +14,7 @@ from torch import nn
 
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.layers.linear import QuantizedLinear
+from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.quant import cpu_kernels
 
@@ -38,9 +38,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return "the MLP activation has no fused form"
         attn = layer.self_attn
         for proj in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not isinstance(proj, QuantizedLinear) and proj.weight.dtype != torch.float32:
+            parts = _parts(proj)
+            if parts is None and proj.weight.dtype != torch.float32:
                 return "weights are neither packed nor float32"
-            if isinstance(proj, QuantizedLinear) and proj.bits not in (4, 5, 6, 8):
+            if parts is not None and any(p.bits not in (4, 5, 6, 8) for p in parts):
                 return "a packed weight has an unsupported layout"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if not all(type(n) is type(norms[0]) and type(n) in (RMSNorm, GemmaRMSNorm) for n in norms):
@@ -48,12 +49,25 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _parts(proj: nn.Module) -> list[QuantizedLinear] | None:
+    """The packed parts of a projection, or None for a float one."""
+    if isinstance(proj, SplitQuantizedLinear):
+        return list(proj.parts)
+    return [proj] if isinstance(proj, QuantizedLinear) else None
+
+
 def _linear_args(proj: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    bias = _EMPTY if proj.bias is None else proj.bias.data
-    if isinstance(proj, QuantizedLinear):
-        mins = _EMPTY if proj.mins is None else proj.mins
-        return [proj.qs, proj.scales, mins, bias], [proj.bits, proj.group]
-    return [proj.weight.data, _EMPTY, _EMPTY, bias], [32, 0]
+    """The decoder's (tensors, formats) of a projection: its bias, then per part (qs, scales, mins)
+    and (bits, group), after the number of parts."""
+    tensors: list[torch.Tensor] = [_EMPTY if proj.bias is None else proj.bias.data]
+    parts = _parts(proj)
+    if parts is None:
+        return tensors + [proj.weight.data, _EMPTY, _EMPTY], [1, 32, 0]
+    formats = [len(parts)]
+    for p in parts:
+        tensors += [p.qs, p.scales, _EMPTY if p.mins is None else p.mins]
+        formats += [p.bits, p.group]
+    return tensors, formats
 
 
 class FusedDecoder:

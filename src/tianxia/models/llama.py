@@ -34,11 +34,11 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
-from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
 from tianxia.models.cpu_decoder import FusedDecoder, unsupported_reason
-from tianxia.quant.packed import PackedWeight, concat_rows
+from tianxia.quant.packed import PackedWeight, stack_runs
 
 
 @dataclass(frozen=True)
@@ -313,13 +313,14 @@ class LlamaForCausalLM(nn.Module):
             rows = torch.cat([p.dequantize() if isinstance(p, PackedWeight) else p for p in parts])
             param.data.copy_(rows)
             return
-        packed = parts[0] if len(parts) == 1 else concat_rows(parts)
-        if packed.shape != tuple(param.shape):
-            raise ValueError(f"tensor {target!r} has shape {packed.shape}, expected {tuple(param.shape)}")
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        if shape != tuple(param.shape) or any(p.shape[1] != shape[1] for p in parts):
+            raise ValueError(f"tensor {target!r} has shape {shape}, expected {tuple(param.shape)}")
         if isinstance(old, nn.Embedding):
-            setattr(parent, attr, QuantizedEmbedding(packed))
+            setattr(parent, attr, QuantizedEmbedding(parts[0]))
         else:
-            new = QuantizedLinear(packed)
+            runs = stack_runs(parts)
+            new = QuantizedLinear(runs[0]) if len(runs) == 1 else SplitQuantizedLinear(runs)
             new.bias = old.bias  # the same parameter object, so a bias loaded later still lands
             setattr(parent, attr, new)
 

@@ -47,7 +47,7 @@ from tianxia.quant.gguf_codecs import (
     block_info,
 )
 
-__all__ = ["PACKABLE_TYPES", "PackedWeight", "concat_rows", "from_gguf", "quantize_float"]
+__all__ = ["PACKABLE_TYPES", "PackedWeight", "concat_rows", "from_gguf", "quantize_float", "stack_runs"]
 
 
 @dataclass
@@ -97,26 +97,28 @@ class PackedWeight:
         return PackedWeight(self.qs[index].contiguous(), self.scales[index].contiguous(), mins,
                             self.bits, self.group, self.source)
 
-    def as_int8(self, group: int) -> PackedWeight:
-        """The same values in the 8-bit layout with groups of ``group`` (which divides ours)."""
-        if self.bits == 8 and self.group == group:
-            return self
-        assert self.group % group == 0
-        rep = self.group // group
-        q = self.ints().to(torch.int8).view(torch.uint8)
-        mins = None if self.mins is None else self.mins.repeat_interleave(rep, dim=1)
-        return PackedWeight(q.contiguous(), self.scales.repeat_interleave(rep, dim=1), mins, 8, group,
-                            self.source)
+
+def _same_layout(parts: list[PackedWeight]) -> bool:
+    return all(p.bits == 4 for p in parts) or all((p.bits, p.group) == (parts[0].bits, parts[0].group) for p in parts)
+
+
+def stack_runs(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Stack each run of consecutive weights that share a layout into one (Q5_0 q and k, then a
+    Q8_0 v: two), so that no part is widened to another layout."""
+    runs: list[list[PackedWeight]] = []
+    for p in parts:
+        if runs and _same_layout([runs[-1][-1], p]):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [run[0] if len(run) == 1 else concat_rows(run) for run in runs]
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Stack weights along the output dimension (fused projections); mixed encodings meet in the
-    widest layout (8-bit, the smallest group), which holds every one of them exactly."""
-    if all(p.bits == 4 for p in parts) or all((p.bits, p.group) == (parts[0].bits, parts[0].group) for p in parts):
-        same = parts
-    else:
-        group = min(p.group for p in parts)
-        same = [p.as_int8(group) for p in parts]
+    """Stack weights of one layout along the output dimension (fused projections)."""
+    if not _same_layout(parts):
+        raise ValueError(f"cannot stack {', '.join(p.source for p in parts)} rows: their layouts differ")
+    same = parts
     dtype = same[0].scales.dtype if len({p.scales.dtype for p in same}) == 1 else torch.float32
     with_mins = any(p.mins is not None for p in same)
     mins = None

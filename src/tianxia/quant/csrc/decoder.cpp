@@ -15,10 +15,19 @@
 namespace tianxia {
 namespace {
 
-struct Linear {
-  at::Tensor qs, scales, mins, bias;  // held so the pointers in w stay valid
+// a packed (or float32) weight; the tensors are held so the pointers in w stay valid
+struct Part {
+  at::Tensor qs, scales, mins;
   Packed w;
+};
+
+// a projection: one part, or blocks of output rows in different encodings side by side (a fused
+// q/k/v whose v came in another GGUF type), each multiplied by its own kernel
+struct Linear {
+  std::vector<Part> parts;
+  at::Tensor bias;
   const float* b = nullptr;
+  int64_t N = 0;
 };
 
 enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQ, kK, kNumNorms };
@@ -43,11 +52,12 @@ class Decoder {
     TORCH_CHECK(final_norm_.scalar_type() == at::kFloat && final_norm_.numel() == H_, "bad final norm");
   }
 
-  // linears: (qs, scales, mins, bias) of qkv, o, gate_up, down (an empty tensor for "none");
-  // formats: (bits, group) of each; norms: input, post-attention, pre- and post-feedforward, q, k
+  // linears: per projection (qkv, o, gate_up, down) its bias (an empty tensor for "none"), then
+  // (qs, scales, mins) of each of its parts; formats: per projection the number of parts, then
+  // (bits, group) of each; norms: input, post-attention, pre- and post-feedforward, q, k
   void add_layer(std::vector<at::Tensor> linears, std::vector<int64_t> formats, std::vector<at::Tensor> norms,
                  at::Tensor kv_cache, int64_t rope, int64_t window) {
-    TORCH_CHECK(linears.size() == 16 && formats.size() == 8 && norms.size() == kNumNorms, "bad layer");
+    TORCH_CHECK(norms.size() == kNumNorms, "bad layer");
     TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf) &&
                     kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == Hk_ &&
                     kv_cache.size(4) == D_,
@@ -55,20 +65,32 @@ class Decoder {
     Layer l;
     Linear* lin[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     const int64_t shapes[4][2] = {{(Hq_ + 2 * Hk_) * D_, H_}, {H_, Hq_ * D_}, {2 * I_, H_}, {H_, I_}};
+    size_t t = 0, f = 0;
     for (int i = 0; i < 4; ++i) {
       Linear& x = *lin[i];
-      x.qs = linears[4 * i].contiguous();
-      x.scales = linears[4 * i + 1].contiguous();
-      x.mins = linears[4 * i + 2].contiguous();
-      x.w = unpack(x.qs, x.scales, x.mins, formats[2 * i], formats[2 * i + 1]);
-      TORCH_CHECK(x.w.N == shapes[i][0] && x.w.K == shapes[i][1], "projection ", i, " has shape [", x.w.N, ", ",
-                  x.w.K, "], expected [", shapes[i][0], ", ", shapes[i][1], "]");
-      if (linears[4 * i + 3].numel() > 0) {
-        x.bias = linears[4 * i + 3].to(at::kFloat).contiguous();
-        TORCH_CHECK(x.bias.numel() == x.w.N, "bias of projection ", i, " has the wrong size");
+      TORCH_CHECK(t < linears.size() && f < formats.size() && formats[f] >= 1, "bad layer");
+      const at::Tensor bias = linears[t++];
+      for (int64_t k = formats[f++]; k > 0; --k) {
+        TORCH_CHECK(t + 3 <= linears.size() && f + 2 <= formats.size(), "bad layer");
+        Part p;
+        p.qs = linears[t].contiguous();
+        p.scales = linears[t + 1].contiguous();
+        p.mins = linears[t + 2].contiguous();
+        p.w = unpack(p.qs, p.scales, p.mins, formats[f], formats[f + 1]);
+        TORCH_CHECK(p.w.K == shapes[i][1], "projection ", i, " has ", p.w.K, " inputs, expected ", shapes[i][1]);
+        x.N += p.w.N;
+        x.parts.push_back(std::move(p));
+        t += 3;
+        f += 2;
+      }
+      TORCH_CHECK(x.N == shapes[i][0], "projection ", i, " has ", x.N, " outputs, expected ", shapes[i][0]);
+      if (bias.numel() > 0) {
+        x.bias = bias.to(at::kFloat).contiguous();
+        TORCH_CHECK(x.bias.numel() == x.N, "bias of projection ", i, " has the wrong size");
         x.b = x.bias.data_ptr<float>();
       }
     }
+    TORCH_CHECK(t == linears.size() && f == formats.size(), "bad layer");
     for (int i = 0; i < kNumNorms; ++i) {
       if (norms[i].numel() == 0) continue;
       l.norms[i] = norms[i].to(at::kFloat).contiguous();
@@ -187,7 +209,15 @@ class Decoder {
   }
 
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
-    product_rows(l.w, x, M, int8_, l.b, out, a_);
+    if (l.parts.size() == 1) return product_rows(l.parts[0].w, x, M, int8_, l.b, out, a_);
+    int64_t n0 = 0;
+    for (const Part& p : l.parts) {
+      const int64_t n = p.w.N;
+      part_.resize(M * n);
+      product_rows(p.w, x, M, int8_, l.b ? l.b + n0 : nullptr, part_.data(), a_);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * l.N + n0, part_.data() + m * n, sizeof(float) * n);
+      n0 += n;
+    }
   }
 
   int64_t H_, Hq_, Hk_, D_, I_;
@@ -195,7 +225,7 @@ class Decoder {
   bool sandwich_, gelu_, interleaved_, int8_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  std::vector<float> h_, res_, n_, qkv_, attn_, gu_, act_;
+  std::vector<float> h_, res_, n_, qkv_, attn_, gu_, act_, part_;
   Activations a_;
 };
 
