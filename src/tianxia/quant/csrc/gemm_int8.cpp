@@ -6,7 +6,7 @@
 // needs neither ggml's sign trick nor can it saturate (2 * 63 * 127 < 2^15). (8-bit codes would
 // need the sign trick, an extra op per product and a second widened copy: measured no faster
 // than BLAS on dequantized tiles, so they stay there.) Four weight rows and four activation rows
-// then meet in a register tile: per block of 32, four maddubs/madd dot products are folded by a
+// then meet in a register tile: per block of 32, four maddubs dot products are folded by a
 // 4x4 transpose-add into one vector (lanes: the four weight rows' low and high 16 elements),
 // which takes one convert and one multiply-add with the block's scales. Offsets and mins take one more multiply-add with the activations' sums:
 //   sum_k x_k (s (u_k - off) + min) = s d_x (u . q_x) + (min - off s) sum_k x_k   per half block.
@@ -89,8 +89,13 @@ void pack_panel(const Activations& a, int64_t m0, uint8_t* panel) {
   }
 }
 
-// acc[m]: rows m of the panel against one quad of weight rows, over all blocks
-template <int MR>
+// acc[m]: rows m of the panel against one quad of weight rows, over all blocks. The four maddubs
+// products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
+// while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
+// fit for codes up to 31 (4- and 5-bit: 31496 < 2^15) and two for 6-bit codes. Unpacking
+// 32-bit units keeps each row's pair sums side by side, so one madd with ones finishes the fold
+// (two for 6-bit codes) where each product took its own: 7-12% faster than four madds.
+template <int BITS, int MR>
 inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t* panel, int64_t nb, __m256 acc[MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
@@ -102,14 +107,18 @@ inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t*
     const float* d = reinterpret_cast<const float*>(panel + MR * 32);
     for (int m = 0; m < MR; ++m) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones);
-      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones);
-      const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(w2, x), ones);
-      const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(w3, x), ones);
-      // a 4x4 transpose-and-add in each lane: lane j of h sums p_j's four values there
-      const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-      const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-      const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+      const __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
+      const __m256i p2 = _mm256_maddubs_epi16(w2, x), p3 = _mm256_maddubs_epi16(w3, x);
+      __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+      __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+      __m256i h;
+      if constexpr (BITS <= 5) {
+        h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
+      } else {
+        e = _mm256_madd_epi16(e, ones);
+        o = _mm256_madd_epi16(o, ones);
+        h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+      }
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
       acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[m]);
     }
@@ -118,12 +127,12 @@ inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t*
 
 constexpr int kTileRows = 4;  // activation rows per register tile
 
-template <int MR>
+template <int BITS, int MR>
 void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
                   float* out, int64_t N) {
   for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
     __m256 acc[MR];
-    quad_rows<MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel, nb, acc);
+    quad_rows<BITS, MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel, nb, acc);
     const int64_t n = n0 + 4 * q;
     const __m128 bv = bias && t.rows - 4 * q >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
     for (int m = 0; m < MR; ++m) {
@@ -173,11 +182,11 @@ void gemm_as(const Packed& w, const Activations& a, const float* bias, float* ou
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
       const int64_t n0 = i * tile, rows = std::min(tile, N - n0);
       widen_tile<BITS, S>(w, n0, rows, t);
-      for (int64_t c = 0; c < full; ++c) tile_outputs<R>(t, panels + c * span, nb, R * c, n0, bias, out, N);
+      for (int64_t c = 0; c < full; ++c) tile_outputs<BITS, R>(t, panels + c * span, nb, R * c, n0, bias, out, N);
       const uint8_t* p = panels + full * span;
-      if (rest == 3) tile_outputs<3>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 2) tile_outputs<2>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 1) tile_outputs<1>(t, p, nb, R * full, n0, bias, out, N);
+      if (rest == 3) tile_outputs<BITS, 3>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 2) tile_outputs<BITS, 2>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 1) tile_outputs<BITS, 1>(t, p, nb, R * full, n0, bias, out, N);
     }
   });
 }
