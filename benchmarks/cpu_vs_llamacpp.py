@@ -12,8 +12,14 @@ Each engine runs in its own process (so resident memory is its own), one after t
 - memory: resident set after load, against the GGUF size plus the KV cache of the context
   (``--ctx``); the Python process itself (torch, tokenizers) is reported as the base;
 - greedy agreement: 20 prompts x 32 tokens, fed as the same token ids, from tianxia (packed
-  weights, 8-bit activations; with ``--float32`` also float32 activations), llama.cpp and transformers (float32, ``gguf_file=``); per pair, prompts whose 32
-  tokens are all equal and the mean length of the common prefix.
+  weights, 8-bit activations; with ``--float32`` also float32 activations), llama.cpp and
+  transformers (float32, ``gguf_file=``); per pair, prompts whose 32 tokens are all equal and the
+  mean length of the common prefix;
+- distance from the float reference, as llama.cpp's ``llama-perplexity --kl-divergence`` reports
+  it: each prompt followed by transformers' 32 greedy tokens is scored by every engine (teacher
+  forcing, 640 positions), and against transformers' distributions there the mean KL divergence
+  and the share of positions with the same top token. Unlike the greedy counts, where one
+  near-tie early in a prompt decides all its 32 tokens, these average over every position.
 
 Medians over ``--runs``. Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
 """
@@ -26,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,11 +66,34 @@ def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
     return long, tokenizer.encode("Tell me a story about a dragon."), [tokenizer.encode(p) for p in PROMPTS]
 
 
-def worker_tianxia_f32(model: str, threads: int, runs: int, ctx: int) -> dict:
-    return worker_tianxia(model, threads, runs, ctx, cpu_activations="float32")
+def forced_sequences(agree: list[list[int]], ref: dict) -> list[tuple[list[int], int]]:
+    """(prompt + transformers' greedy tokens, index of the first scored position) per prompt."""
+    return [(ids + toks, len(ids) - 1) for ids, toks in zip(agree, ref["tokens"])]
 
 
-def worker_tianxia(model: str, threads: int, runs: int, ctx: int, cpu_activations: str = "int8") -> dict:
+def distance(logits: list, ref: dict) -> dict:
+    """Mean KL(reference || engine) and the share of equal top tokens over the scored positions."""
+    import torch
+
+    lp = torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in logits]).log_softmax(-1)
+    ref_lp = ref["logprobs"]
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
+    return {"kld": float(kl.mean()), "same_top": float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()),
+            "positions": len(kl)}
+
+
+def load_reference(path: str | None) -> dict | None:
+    import torch
+
+    return torch.load(path) if path else None
+
+
+def worker_tianxia_f32(model: str, threads: int, runs: int, ctx: int, ref_file: str | None = None) -> dict:
+    return worker_tianxia(model, threads, runs, ctx, ref_file, cpu_activations="float32")
+
+
+def worker_tianxia(model: str, threads: int, runs: int, ctx: int, ref_file: str | None = None,
+                   cpu_activations: str = "int8") -> dict:
     import torch
 
     from tianxia import LLM, SamplingParams
@@ -92,14 +122,19 @@ def worker_tianxia(model: str, threads: int, runs: int, ctx: int, cpu_activation
     outs = llm.generate([{"prompt_token_ids": ids} for ids in agree],
                         SamplingParams(temperature=0, max_tokens=AGREE_TOKENS, ignore_eos=True), use_tqdm=False)
     cfg = llm.engine.model_config
-    return {
+    result = {
         "pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
         "kv_bytes": kv_bytes_per_token(cfg, llm.engine.kv_dtype) * ctx, "threads": torch.get_num_threads(),
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
+    if (ref := load_reference(ref_file)) is not None:
+        seqs = forced_sequences(agree, ref)
+        result["distance"] = distance([llm.engine.score(ids)[first:first + AGREE_TOKENS] for ids, first in seqs],
+                                      ref)
+    return result
 
 
-def worker_llamacpp(model: str, threads: int, runs: int, ctx: int) -> dict:
+def worker_llamacpp(model: str, threads: int, runs: int, ctx: int, ref_file: str | None = None) -> dict:
     import llama_cpp
     import numpy as np
 
@@ -139,12 +174,23 @@ def worker_llamacpp(model: str, threads: int, runs: int, ctx: int) -> dict:
     for _ in range(runs):
         one = timed(short, 1)
         tg.append(GEN_TOKENS / max(1e-9, timed(short, GEN_TOKENS + 1) - one))
-    return {"pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
-            "tokens": [greedy(ids, AGREE_TOKENS) for ids in agree],
-            "version": getattr(llama_cpp, "__version__", "?")}
+    result = {"pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
+              "tokens": [greedy(ids, AGREE_TOKENS) for ids in agree],
+              "version": getattr(llama_cpp, "__version__", "?")}
+    if (ref := load_reference(ref_file)) is not None:
+        del llm  # a second instance that keeps every position's logits
+        llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                              logits_all=True, verbose=False)
+        rows = []
+        for ids, first in forced_sequences(agree, ref):
+            llm.reset()
+            llm.eval(ids)
+            rows.append(np.array(llm.scores[first:first + AGREE_TOKENS]))
+        result["distance"] = distance(rows, ref)
+    return result
 
 
-def worker_transformers(model: str, threads: int, runs: int, ctx: int) -> dict:
+def worker_transformers(model: str, threads: int, runs: int, ctx: int, ref_file: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -160,12 +206,16 @@ def worker_transformers(model: str, threads: int, runs: int, ctx: int) -> dict:
             out = ref.generate(torch.tensor([ids]), max_new_tokens=AGREE_TOKENS, do_sample=False,
                                eos_token_id=None, pad_token_id=0)
             tokens.append(out[0, len(ids):].tolist())
+        if ref_file:  # the reference distributions the other engines are measured against
+            seqs = forced_sequences(agree, {"tokens": tokens})
+            logits = [ref(torch.tensor([ids])).logits[0, first:first + AGREE_TOKENS] for ids, first in seqs]
+            torch.save({"tokens": tokens, "logprobs": torch.cat(logits).float().log_softmax(-1)}, ref_file)
     return {"tokens": tokens}
 
 
-def run_worker(engine: str, model: str, args) -> dict:
+def run_worker(engine: str, model: str, args, ref_file: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", model, "--threads", str(args.threads),
-           "--runs", str(args.runs), "--ctx", str(args.ctx)]
+           "--runs", str(args.runs), "--ctx", str(args.ctx)] + (["--ref-file", ref_file] if ref_file else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -204,9 +254,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--ref-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(WORKERS[args.worker](args.model, args.threads, args.runs, args.ctx)))
+        print(json.dumps(WORKERS[args.worker](args.model, args.threads, args.runs, args.ctx, args.ref_file)))
         return
 
     stamp = datetime.now(timezone.utc)
@@ -218,9 +269,13 @@ def main() -> None:
         model = os.path.expanduser(MODELS[name])
         print(f"== {name}", file=sys.stderr)
         engines = ("llamacpp", "tianxia") + (("tianxia_f32",) if args.float32 else ())
-        r = {e: run_worker(e, model, args) for e in engines}
-        if not args.no_agreement:
-            r["transformers"] = run_worker("transformers", model, args)
+        with tempfile.TemporaryDirectory() as tmp:
+            ref_file = None
+            r = {}
+            if not args.no_agreement:  # first: the others are measured against its distributions
+                ref_file = os.path.join(tmp, "reference.pt")
+                r["transformers"] = run_worker("transformers", model, args, ref_file)
+            r.update({e: run_worker(e, model, args, ref_file) for e in engines})
         r["gguf_bytes"] = os.path.getsize(model)
         r["llamacpp"]["kv_bytes"] = kv_bytes_f16(model, args.ctx)
         results[name] = r
@@ -264,6 +319,15 @@ def main() -> None:
             f32 = r["tianxia_f32"]["tokens"]
             lines.append(f"- {name}, float32 activations: tianxia vs transformers {agreement(f32, hf)}; "
                          f"tianxia vs llama.cpp {agreement(f32, lc)}")
+    lines += ["", ("Distance from transformers' distributions (teacher-forced on its greedy tokens; "
+                   "llama-perplexity's KL-divergence statistics):"), "",
+              "| model | engine | positions | mean KLD | same top token |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        for engine, label in (("llamacpp", "llama.cpp"), ("tianxia", "tianxia"),
+                              ("tianxia_f32", "tianxia, float32 activations")):
+            if "distance" in r.get(engine, {}):
+                d = r[engine]["distance"]
+                lines.append(f"| {name} | {label} | {d['positions']} | {d['kld']:.6f} | {100 * d['same_top']:.2f}% |")
     md = "\n".join(lines) + "\n"
     (out_dir / "cpu_vs_llamacpp.md").write_text(md)
     print(md)
