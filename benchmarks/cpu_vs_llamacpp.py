@@ -21,7 +21,8 @@ Each engine runs in its own process (so resident memory is its own), one after t
   and the share of positions with the same top token. Unlike the greedy counts, where one
   near-tie early in a prompt decides all its 32 tokens, these average over every position.
 
-Medians over ``--runs``. Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
+Medians over ``--runs`` x ``--rounds`` (speed runs of the two engines repeated in alternating
+order). Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
 """
 
 from __future__ import annotations
@@ -247,6 +248,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ctx", type=int, default=1024, help="context (KV cache) size of both engines")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="speed runs of llama.cpp and tianxia, in alternating order; medians over all")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated keys of MODELS")
     ap.add_argument("--no-agreement", action="store_true", help="skip the transformers reference")
     ap.add_argument("--float32", action="store_true",
@@ -276,6 +279,16 @@ def main() -> None:
                 ref_file = os.path.join(tmp, "reference.pt")
                 r["transformers"] = run_worker("transformers", model, args, ref_file)
             r.update({e: run_worker(e, model, args, ref_file) for e in engines})
+        # more rounds of the two speed runs, in alternating order, so that a slow spell of the
+        # shared machine falls on both engines
+        r["rounds"] = [{e: {k: r[e][k] for k in ("pp", "tg")} for e in ("llamacpp", "tianxia")}]
+        for i in range(1, args.rounds):
+            order = ("tianxia", "llamacpp") if i % 2 else ("llamacpp", "tianxia")
+            again = {e: run_worker(e, model, args) for e in order}
+            r["rounds"].append({e: {k: again[e][k] for k in ("pp", "tg")} for e in order})
+            for e in order:
+                for k in ("pp", "tg"):
+                    r[e][k] = r[e][k] + again[e][k]
         r["gguf_bytes"] = os.path.getsize(model)
         r["llamacpp"]["kv_bytes"] = kv_bytes_f16(model, args.ctx)
         results[name] = r
@@ -286,7 +299,8 @@ def main() -> None:
     mib = 2**20
     lines = [
         f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
-        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs x "
+        f"{args.rounds} rounds (ratios per round in brackets); "
         f"context {args.ctx} tokens.",
         "",
         "| model | metric | llama.cpp | tianxia | tianxia / llama.cpp |",
@@ -296,7 +310,8 @@ def main() -> None:
         lc, tx = r["llamacpp"], r["tianxia"]
         for label, key in (("generation, tokens/s", "tg"), (f"prompt processing ({PROMPT_TOKENS} tokens), tokens/s", "pp")):
             a, b = med(lc[key]), med(tx[key])
-            lines.append(f"| {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            per_round = ", ".join(f"{med(x['tianxia'][key]) / med(x['llamacpp'][key]):.2f}" for x in r["rounds"])
+            lines.append(f"| {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x [{per_round}] |")
             if "tianxia_f32" in r:
                 b = med(r["tianxia_f32"][key])
                 lines.append(f"| {name} | {label}, float32 activations | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
