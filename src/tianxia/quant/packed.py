@@ -118,15 +118,13 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights of one layout along the output dimension (fused projections)."""
     if not _same_layout(parts):
         raise ValueError(f"cannot stack {', '.join(p.source for p in parts)} rows: their layouts differ")
-    same = parts
-    dtype = same[0].scales.dtype if len({p.scales.dtype for p in same}) == 1 else torch.float32
-    with_mins = any(p.mins is not None for p in same)
+    dtype = parts[0].scales.dtype if len({p.scales.dtype for p in parts}) == 1 else torch.float32
     mins = None
-    if with_mins:
-        mins = torch.cat([(p.mins if p.mins is not None else torch.zeros_like(p.scales)).to(dtype) for p in same])
+    if any(p.mins is not None for p in parts):
+        mins = torch.cat([(p.mins if p.mins is not None else torch.zeros_like(p.scales)).to(dtype) for p in parts])
     sources = sorted({p.source for p in parts})
-    return PackedWeight(torch.cat([p.qs for p in same]), torch.cat([p.scales.to(dtype) for p in same]), mins,
-                        same[0].bits, same[0].group, "+".join(sources))
+    return PackedWeight(torch.cat([p.qs for p in parts]), torch.cat([p.scales.to(dtype) for p in parts]), mins,
+                        parts[0].bits, parts[0].group, "+".join(sources))
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
