@@ -29,16 +29,13 @@ def _attend(q, k, v, mask, scale, gqa, softcap=None, is_causal=False):
     """SDPA over [B, H, L, D] or [H, L, D] tensors; with ``softcap`` the scores are soft-capped
     (eager path)."""
     if softcap is None:
-        if q.dim() == 3:
-            # torch's fused CPU kernel takes only 4-D inputs; 3-D ones (with GQA) fall to the math
-            # path, about 3x slower for a prompt
-            o = F.scaled_dot_product_attention(
-                q[None], k[None], v[None], attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-            )
-            return o[0]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-        )
+        # torch's fused CPU kernel takes only 4-D inputs; 3-D ones (with GQA) fall to the math path,
+        # about 3x slower for a prompt's attention
+        batched = q.dim() == 4
+        if not batched:
+            q, k, v = q[None], k[None], v[None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return o if batched else o[0]
     if gqa:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
