@@ -7,7 +7,14 @@ import torch
 
 from tianxia import LLM, BeamSearchParams, SamplingParams
 from tianxia.engine.sequence import Sequence
-from tianxia.layers.sampler import Sampler, SamplingBatch
+from tianxia.layers.sampler import (
+    DRAW_CHUNK,
+    TOP_P_CANDIDATES,
+    Sampler,
+    SamplingBatch,
+    apply_top_k_top_p,
+    inverse_transform,
+)
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "My favourite season is"]
 
@@ -140,6 +147,59 @@ def test_unseeded_requests_vary(smollm2_llm):
 
 
 # --- the sampled distribution -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", [300, 3 * DRAW_CHUNK, 5 * DRAW_CHUNK + 77])
+def test_inverse_transform_gives_each_token_its_share_of_uniform_draws(vocab):
+    # evenly spaced draws u_j = (j + 1/2) / n: token i must take round(p_i * n) of them, give or
+    # take one, and a token of probability 0 none, also at u = 0 and at the largest u below 1
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(4, vocab, generator=gen) ** 8  # uneven, with tokens of tiny mass
+    probs[:, torch.randperm(vocab, generator=gen)[: vocab // 2]] = 0.0
+    probs[1:3] = 0.0
+    probs[1, -1] = probs[2, 0] = 1.0  # all the mass on the last token, on the first
+    probs = probs / probs.sum(-1, keepdim=True)
+    n = 20_000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for row in range(4):
+        tokens = inverse_transform(probs[row].expand(n, vocab), u)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        assert (counts[probs[row] == 0] == 0).all()
+        assert ((counts - probs[row].double() * n).abs() <= 1.01).all(), row
+        edges = inverse_transform(probs[row].expand(2, vocab), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
+        assert (probs[row, edges] > 0).all()
+
+
+def test_truncation_among_the_largest_logits_equals_a_full_sort():
+    # nuclei of top-p 0.95 that end inside the first candidates, inside the wider ones, and past
+    # both; rows with top-k, with both, and with neither, in one batch over a shuffled vocabulary
+    vocab, top_p = 49152, 0.95
+    widths = [10, (TOP_P_CANDIDATES[0] + TOP_P_CANDIDATES[1]) // 2, TOP_P_CANDIDATES[1] + 2000]
+    rows, top_k, p = [], [], []
+    for n in widths:  # probabilities r^i with the mass before token n - 1/2 exactly 1 - (1 - p)
+        r = (1 - top_p) ** (1 / (n - 0.5))
+        rows.append(torch.arange(vocab, dtype=torch.float64) * torch.log(torch.tensor(r, dtype=torch.float64)))
+        top_k.append(0)
+        p.append(top_p)
+    gen = torch.Generator().manual_seed(0)
+    for k, pp in ((0, 1.0), (50, 1.0), (5, 0.5)):
+        rows.append(torch.randn(vocab, generator=gen, dtype=torch.float64) * 3)
+        top_k.append(k)
+        p.append(pp)
+    logits = torch.stack(rows).float()
+    logits = logits[:, torch.randperm(vocab, generator=gen)]
+    top_k, p = torch.tensor(top_k), torch.tensor(p)
+    got = apply_top_k_top_p(logits, top_k, p, True, True)
+
+    for i in range(len(logits)):  # the reference: sort everything, then vLLM's rule in float64
+        values, order = logits[i].double().sort(descending=True)
+        k = int(top_k[i]) or vocab
+        probs = values[:k].softmax(-1)
+        kept = order[:k][(probs.cumsum(0) - probs) < p[i]]
+        assert torch.equal((got[i] > float("-inf")).nonzero().flatten(), kept.sort().values), i
+        assert torch.equal(got[i, kept], logits[i, kept])
+    assert [int((got[i] > float("-inf")).sum()) for i in range(3)] == widths
+
+
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 6}, {"top_p": 0.6}, {"top_k": 10, "top_p": 0.8, "temperature": 0.7}])
 def test_sampled_frequencies_match_truncated_softmax(smollm2_llm, kwargs):
