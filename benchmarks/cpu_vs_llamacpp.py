@@ -19,7 +19,9 @@ Each engine runs in its own process (so resident memory is its own), one after t
   it: each prompt followed by transformers' 32 greedy tokens is scored by every engine (teacher
   forcing, 640 positions), and against transformers' distributions there the mean KL divergence
   and the share of positions with the same top token. Unlike the greedy counts, where one
-  near-tie early in a prompt decides all its 32 tokens, these average over every position.
+  near-tie early in a prompt decides all its 32 tokens, these average over every position;
+- a control for the greedy counts: llama.cpp again with flash attention, which changes nothing
+  but the rounding of the attention, against llama.cpp and transformers.
 
 Medians over ``--runs`` x ``--rounds`` (speed runs of the two engines repeated in alternating
 order). Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
@@ -152,16 +154,17 @@ def worker_llamacpp(model: str, threads: int, runs: int, ctx: int, ref_file: str
 
     vocab = llm.n_vocab()
 
-    def greedy(ids, n):
-        llm.reset()
-        llm.eval(ids)
+    def greedy(ids, n, engine=None):
+        engine = llm if engine is None else engine
+        engine.reset()
+        engine.eval(ids)
         out = []
         for i in range(n):
             # the last position's logits (llama-cpp-python keeps no scores without logits_all)
-            token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
+            token = int(np.argmax(np.ctypeslib.as_array(engine._ctx.get_logits(), shape=(vocab,))))
             out.append(token)
             if i + 1 < n:
-                llm.eval([token])
+                engine.eval([token])
         return out
 
     def timed(ids, n):
@@ -178,8 +181,16 @@ def worker_llamacpp(model: str, threads: int, runs: int, ctx: int, ref_file: str
     result = {"pp": pp, "tg": tg, "rss_base": base, "rss_loaded": loaded, "load_s": load_s,
               "tokens": [greedy(ids, AGREE_TOKENS) for ids in agree],
               "version": getattr(llama_cpp, "__version__", "?")}
+    if ref_file is not None:
+        # the same weights and products with another attention arithmetic (flash attention, f16
+        # accumulation): how far the greedy counts move when nothing but rounding changes
+        del llm
+        fa = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
+                             flash_attn=True, verbose=False)
+        result["tokens_flash_attn"] = [greedy(ids, AGREE_TOKENS, fa) for ids in agree]
+        del fa
     if (ref := load_reference(ref_file)) is not None:
-        del llm  # a second instance that keeps every position's logits
+        # a second instance that keeps every position's logits
         llm = llama_cpp.Llama(model, n_threads=threads, n_threads_batch=threads, n_ctx=ctx, n_batch=512,
                               logits_all=True, verbose=False)
         rows = []
@@ -298,10 +309,9 @@ def main() -> None:
     med = statistics.median
     mib = 2**20
     lines = [
-        f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
-        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs x "
-        f"{args.rounds} rounds (ratios per round in brackets); "
-        f"context {args.ctx} tokens.",
+        (f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
+         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs x "
+         f"{args.rounds} rounds (ratios per round in brackets); context {args.ctx} tokens."),
         "",
         "| model | metric | llama.cpp | tianxia | tianxia / llama.cpp |",
         "|---|---|---|---|---|",
@@ -334,6 +344,10 @@ def main() -> None:
             f32 = r["tianxia_f32"]["tokens"]
             lines.append(f"- {name}, float32 activations: tianxia vs transformers {agreement(f32, hf)}; "
                          f"tianxia vs llama.cpp {agreement(f32, lc)}")
+        if "tokens_flash_attn" in r["llamacpp"]:
+            fa = r["llamacpp"]["tokens_flash_attn"]
+            lines.append(f"- {name}, control: llama.cpp with flash attention (only the attention's rounding "
+                         f"differs) vs llama.cpp {agreement(fa, lc)}; vs transformers {agreement(fa, hf)}")
     lines += ["", ("Distance from transformers' distributions (teacher-forced on its greedy tokens; "
                    "llama-perplexity's KL-divergence statistics):"), "",
               "| model | engine | positions | mean KLD | same top token |", "|---|---|---|---|---|"]
@@ -350,9 +364,10 @@ def main() -> None:
 
 def _cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return "?"
