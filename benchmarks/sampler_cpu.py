@@ -104,8 +104,9 @@ def main() -> None:
         batch = batch_for(args.rows, **opts)
         ours, peer = [], []
         for logits in steps:
+            x = logits.clone()  # the sampler works in place on the step's logits, as in the engine
             t = time.perf_counter()
-            sampler(logits, batch)
+            sampler(x, batch)
             ours.append(time.perf_counter() - t)
             t = time.perf_counter()
             peer_sample(logits, **opts)
@@ -115,5 +116,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()
+    with torch.inference_mode():  # as the engine runs the model and the sampler
+        main()

@@ -175,7 +175,8 @@ def apply_top_k_top_p(
         row_norm = torch.where(has_k, float("nan"), logits.logsumexp(dim=-1))[:, None]
     keep, reached = _truncate_sorted(values, k.clamp(max=width), p, row_norm)
     out = torch.full_like(logits, float("-inf")).scatter_(-1, ids, values.masked_fill(~keep, float("-inf")))
-    out = torch.where(truncated[:, None], out, logits)
+    if not bool(truncated.all()):
+        out = torch.where(truncated[:, None], out, logits)
     pending = has_p & ~has_k & ~reached
     for wider in (*TOP_P_CANDIDATES[1:], vocab):
         rows = pending.nonzero().flatten()
@@ -197,8 +198,8 @@ DRAW_CHUNK = 1024  # tokens per chunk of the two-level inverse transform
 
 
 def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the token at which the running sum of ``probs`` passes ``u`` (in [0, 1)) times
-    the row's total. The sums go by chunks: those of each chunk, then within the one chunk it
+    """Per row, the token at which the running sum of ``probs`` (which need not sum to 1) passes
+    ``u`` (in [0, 1)) times the row's total. The sums go by chunks: those of each chunk, then within the one chunk it
     falls in, in float64; a cumulative sum over the whole vocabulary was most of the draw's time.
     Tokens of probability 0 are never drawn."""
     probs = probs.contiguous()
@@ -284,21 +285,25 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy_rows = (batch.temperature == 0).to(logits.device)
+        # the greedy rows' tokens first: what follows works in place on this step's logits
+        greedy_tokens = logits.argmax(dim=-1) if bool(greedy_rows.any()) else None
         temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
-        scaled = logits / temp.to(logits.device)[:, None]
+        scaled = logits.div_(temp.to(logits.device)[:, None]) if bool((temp != 1).any()) else logits
         if batch.any_min_p:
             # p < min_p * p_max where logit < max logit + log(min_p): no softmax needed (log 0 = -inf)
             floor = scaled.amax(dim=-1, keepdim=True) + batch.min_p.to(logits.device).log()[:, None]
-            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+            scaled.masked_fill_(scaled < floor, float("-inf"))
         if batch.any_top_k or batch.any_top_p:
             greedy = batch.temperature == 0  # their token is the argmax: no truncation to find
             scaled = apply_top_k_top_p(
                 scaled, torch.where(greedy, 0, batch.top_k).to(logits.device),
                 torch.where(greedy, 1.0, batch.top_p).to(logits.device), batch.any_top_k, batch.any_top_p,
             )
+        # softmax, not exp in place: torch's exp is several times slower on the -inf of masked
+        # tokens, and on values whose exp is subnormal, than its softmax is
         tokens = self._draw(scaled.softmax(dim=-1), batch)
-        if bool(greedy_rows.any()):
-            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+        if greedy_tokens is not None:
+            tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
 
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
