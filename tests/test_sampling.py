@@ -7,14 +7,7 @@ import torch
 
 from tianxia import LLM, BeamSearchParams, SamplingParams
 from tianxia.engine.sequence import Sequence
-from tianxia.layers.sampler import (
-    DRAW_CHUNK,
-    TOP_P_CANDIDATES,
-    Sampler,
-    SamplingBatch,
-    apply_top_k_top_p,
-    inverse_transform,
-)
+from tianxia.layers.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "My favourite season is"]
 
@@ -147,27 +140,6 @@ def test_unseeded_requests_vary(smollm2_llm):
 
 
 # --- the sampled distribution -------------------------------------------------------------------------
-
-@pytest.mark.parametrize("vocab", [300, 3 * DRAW_CHUNK, 5 * DRAW_CHUNK + 77])
-def test_inverse_transform_gives_each_token_its_share_of_uniform_draws(vocab):
-    # evenly spaced draws u_j = (j + 1/2) / n: token i must take round(p_i * n) of them, give or
-    # take one, and a token of probability 0 none, also at u = 0 and at the largest u below 1
-    gen = torch.Generator().manual_seed(vocab)
-    probs = torch.rand(4, vocab, generator=gen) ** 8  # uneven, with tokens of tiny mass
-    probs[:, torch.randperm(vocab, generator=gen)[: vocab // 2]] = 0.0
-    probs[1:3] = 0.0
-    probs[1, -1] = probs[2, 0] = 1.0  # all the mass on the last token, on the first
-    probs = probs / probs.sum(-1, keepdim=True)
-    n = 20_000
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    for row in range(4):
-        tokens = inverse_transform(probs[row].expand(n, vocab), u)
-        counts = torch.bincount(tokens, minlength=vocab).double()
-        assert (counts[probs[row] == 0] == 0).all()
-        assert ((counts - probs[row].double() * n).abs() <= 1.01).all(), row
-        edges = inverse_transform(probs[row].expand(2, vocab), torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
-        assert (probs[row, edges] > 0).all()
-
 
 def test_truncation_among_the_largest_logits_equals_a_full_sort():
     # nuclei of top-p 0.95 that end inside the first candidates, inside the wider ones, and past

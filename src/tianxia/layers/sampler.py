@@ -2,9 +2,9 @@
 
 Order, as in vLLM: log-probabilities are taken from the raw logits; then allowed/banned tokens,
 ``logit_bias``, and the repetition, frequency and presence penalties; greedy rows take the argmax
-there; the others get temperature, min-p, top-k and top-p, then a categorical draw by inverse
-transform with one uniform number per row, which a seeded row takes from its own generator, so a
-seeded request's tokens do not depend on the batch.
+there; the others get temperature, min-p, top-k and top-p, then a draw by the exponential race
+(``argmax(p / q)`` with ``q ~ Exp(1)``), which equals a categorical draw and lets each seeded row
+take its noise from its own generator, so a seeded request's tokens do not depend on the batch.
 Everything is a tensor op over the batch; Python loops only touch rows that use a rare feature
 (logit_bias, allowed_token_ids, bad_words, a seed).
 """
@@ -194,39 +194,6 @@ def apply_top_k_top_p(
     return out
 
 
-DRAW_CHUNK = 1024  # tokens per chunk of the two-level inverse transform
-
-
-def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the token at which the running sum of ``probs`` (which need not sum to 1) passes
-    ``u`` (in [0, 1)) times the row's total. The sums go by chunks: those of each chunk, then within the one chunk it
-    falls in, in float64; a cumulative sum over the whole vocabulary was most of the draw's time.
-    Tokens of probability 0 are never drawn."""
-    probs = probs.contiguous()
-    rows, vocab = probs.shape
-    full = vocab // DRAW_CHUNK
-    sums = probs.as_strided((rows, full, DRAW_CHUNK), (vocab, DRAW_CHUNK, 1)).sum(-1)
-    if vocab % DRAW_CHUNK:
-        sums = torch.cat([sums, probs[:, full * DRAW_CHUNK:].sum(-1, keepdim=True)], dim=1)
-    cdf = sums.double().cumsum(-1)
-    target = (u * cdf[:, -1])[:, None]
-    ranks = torch.arange(sums.shape[1], device=probs.device)
-    # u * total can round up to the total: stay at or before the last chunk that has mass
-    last = torch.where(sums > 0, ranks, 0).amax(-1, keepdim=True)
-    chunk = torch.searchsorted(cdf, target, right=True).clamp(max=last)
-    target = target - torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
-    offsets = chunk * DRAW_CHUNK + torch.arange(DRAW_CHUNK, device=probs.device)
-    inside = offsets < vocab
-    vals = probs.gather(1, offsets.clamp(max=vocab - 1)).masked_fill(~inside, 0.0)
-    pos = torch.searchsorted(vals.double().cumsum(-1), target, right=True).clamp(max=DRAW_CHUNK - 1)
-    # the chunk's own running sum can end a rounding below the target: its last token with mass
-    stray = vals.gather(1, pos) == 0
-    if bool(stray.any()):
-        lanes = torch.arange(DRAW_CHUNK, device=probs.device)
-        pos = torch.where(stray, torch.where(vals > 0, lanes, 0).amax(-1, keepdim=True), pos)
-    return (chunk * DRAW_CHUNK + pos).squeeze(1)
-
-
 @dataclass
 class SamplerOutput:
     tokens: list[int]
@@ -299,26 +266,27 @@ class Sampler:
                 scaled, torch.where(greedy, 0, batch.top_k).to(logits.device),
                 torch.where(greedy, 1.0, batch.top_p).to(logits.device), batch.any_top_k, batch.any_top_p,
             )
-        # softmax, not exp in place: torch's exp is several times slower on the -inf of masked
-        # tokens, and on values whose exp is subnormal, than its softmax is
         tokens = self._draw(scaled.softmax(dim=-1), batch)
         if greedy_tokens is not None:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
 
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """One token per row by inverse transform: the first whose cumulative probability passes
-        a uniform draw. It takes one random number per row (a race of exponential noises took one
-        per token, 19 ms for 16 rows of 49k); a seeded row draws it from its own generator, so its
-        tokens do not depend on the batch it is in."""
-        u = torch.empty(probs.shape[0], dtype=torch.float64)
+        """One token per row by the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``, which
+        is a categorical draw; a seeded row takes its noise from its own generator, so its tokens
+        do not depend on the batch it is in. (A draw by inverse transform, one uniform number per
+        row, is cheaper, but its running sum over the vocabulary turns the last-bit differences
+        of a row's logits between batch compositions into different tokens far more often.) The
+        noise is ``-log(u)`` of uniform numbers: torch's ``exponential_`` takes 3x as long."""
+        noise = torch.empty(probs.shape, dtype=torch.float32)
         shared = [i for i, g in enumerate(batch.generators) if g is None]
         if shared:
-            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+            noise[shared] = torch.rand(len(shared), probs.shape[1], generator=self.generator)
         for i, g in enumerate(batch.generators):
             if g is not None:
-                u[i] = torch.rand(1, generator=g, dtype=torch.float64)
-        return inverse_transform(probs, u.to(probs.device))
+                noise[i] = torch.rand(probs.shape[1], generator=g)
+        noise = noise.log_().neg_().to(probs.device)
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int], batch: SamplingBatch):
