@@ -106,8 +106,6 @@ def test_many_rows_equal_the_direct_integer_kernel(kind):
         got = cpu_kernels.packed_linear(x, packed, bias, int8=True)
         want = torch.cat([cpu_kernels.packed_linear(x[i:i + 1], packed, bias, int8=True) for i in range(m)])
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5, f"{kind}, {m} rows"
-        if packed.bits == 5:  # the direct kernel's 4-row tiles do the GEMM's arithmetic: bit for bit
-            assert torch.equal(got, want), f"{kind}, {m} rows"
 
 
 def test_fused_projection_of_mixed_types_keeps_each_part():

@@ -208,81 +208,6 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
   }
 }
 
-// Up to 8 activation rows (decode steps) against 4 weight rows at a time, with the arithmetic of
-// the GEMM's register tile (gemm_int8.cpp) step for step: the codes stay unsigned (5- and 6-bit
-// ones keep their +16 / +32, which meets the activation's half-block sums with the mins), the
-// four maddubs products are folded in 16 bits, one convert and two multiply-adds per block. So
-// every row count gives the same numbers, bit for bit, as the prompt path's GEMM. The 4 rows share
-// the activation loads, and each row's codes are unpacked once for all activation rows: for one
-// activation row about 18 vector ops per 32 weights, against 25 one weight row at a time with
-// ggml's sign trick. A last quad of fewer than 4 rows repeats its last row in the empty lanes.
-// Needs the activation sums (Activations::prepare with_sums).
-template <int MR, int BITS, typename S>
-void int8_quads(const Packed& w, const Activations& a, int64_t m0, const float* bias, float* out, int64_t n0,
-                int64_t n1) {
-  const int64_t K = w.K, G = w.group, N = w.N, nb = K / 32, rb = w.row_bytes();
-  const int8_t* xq = a.q8.data() + m0 * K;
-  const float* xd = a.d8.data() + m0 * nb;
-  // per row and block: the first half's sum in the low lane, the second's in the high lane
-  thread_local std::vector<float> halves;
-  halves.resize(MR * nb * 8);
-  for (int m = 0; m < MR; ++m) {
-    const float* xs = a.sums.data() + (m0 + m) * (K / 16);
-    for (int64_t b = 0; b < nb; ++b)
-      _mm256_storeu_ps(halves.data() + (m * nb + b) * 8,
-                       _mm256_set_m128(_mm_set1_ps(xs[2 * b + 1]), _mm_set1_ps(xs[2 * b])));
-  }
-  const __m128 off = _mm_set1_ps(BITS == 4 ? 0.f : BITS == 5 ? 16.f : 32.f);
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int64_t r[4] = {n, std::min(n + 1, n1 - 1), std::min(n + 2, n1 - 1), std::min(n + 3, n1 - 1)};
-    const uint8_t* q[4] = {w.qs + r[0] * rb, w.qs + r[1] * rb, w.qs + r[2] * rb, w.qs + r[3] * rb};
-    const S* sc[4] = {w.scales_of<S>(r[0]), w.scales_of<S>(r[1]), w.scales_of<S>(r[2]), w.scales_of<S>(r[3])};
-    const S* mn[4] = {w.mins_of<S>(r[0]), w.mins_of<S>(r[1]), w.mins_of<S>(r[2]), w.mins_of<S>(r[3])};
-    // the 4 rows' scales and (min - offset * scale) for group g, as one 128-bit lane each
-    auto lane = [&](int64_t g, __m128& sv, __m128& cv) {
-      sv = _mm_setr_ps(to_float(sc[0][g]), to_float(sc[1][g]), to_float(sc[2][g]), to_float(sc[3][g]));
-      const __m128 mv = mn[0] ? _mm_setr_ps(to_float(mn[0][g]), to_float(mn[1][g]), to_float(mn[2][g]),
-                                            to_float(mn[3][g]))
-                              : _mm_setzero_ps();
-      cv = _mm_sub_ps(mv, _mm_mul_ps(off, sv));  // not fused: as the GEMM's scalar factors
-    };
-    __m256 acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = b * 4 * BITS;
-      const __m256i w0 = codes32<BITS, true>(q[0] + at), w1 = codes32<BITS, true>(q[1] + at),
-                    w2 = codes32<BITS, true>(q[2] + at), w3 = codes32<BITS, true>(q[3] + at);
-      __m128 s_lo, c_lo, s_hi, c_hi;
-      lane(b * 32 / G, s_lo, c_lo);
-      if (G < 32) {
-        lane((b * 32 + 16) / G, s_hi, c_hi);
-      } else {
-        s_hi = s_lo;
-        c_hi = c_lo;
-      }
-      const __m256 sv = _mm256_set_m128(s_hi, s_lo), cv = _mm256_set_m128(c_hi, c_lo);
-      for (int m = 0; m < MR; ++m) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-        const __m256i h = fold_quad<BITS>(_mm256_maddubs_epi16(w0, x), _mm256_maddubs_epi16(w1, x),
-                                          _mm256_maddubs_epi16(w2, x), _mm256_maddubs_epi16(w3, x));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
-        acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(halves.data() + (m * nb + b) * 8), acc[m]);
-      }
-    }
-    const __m128 bv = bias && n + 4 <= n1 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m128 v = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), bv);
-      if (n + 4 <= n1) {
-        _mm_storeu_ps(out + (m0 + m) * N + n, v);
-      } else {
-        alignas(16) float lanes[4];
-        _mm_store_ps(lanes, v);
-        for (int64_t j = 0; n + j < n1; ++j) out[(m0 + m) * N + n + j] = lanes[j] + (bias ? bias[n + j] : 0.f);
-      }
-    }
-  }
-}
-
 template <int MR, int BITS, typename S>
 void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
                float* out, int64_t n0, int64_t n1) {
@@ -290,9 +215,6 @@ void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t
   const int8_t* xq = a.q8.data() + m0 * K;
   const float* xd = a.d8.data() + m0 * nb;
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 5) {  // (4- and 6-bit rows measured no faster this way: 0.86x and 1.01x)
-    if (!a.sums.empty()) return int8_quads<MR, BITS, S>(w, a, m0, bias, out, n0, n1);
-  }
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[MR];
     float off[MR];

@@ -99,26 +99,6 @@ inline __m256i codes32(const uint8_t* p) {
   }
 }
 
-// The maddubs products of 4 weight rows (unsigned codes) with one block of 32 activation codes,
-// folded into 8 int32 sums (lanes: the 4 rows' sums over elements 0..15, then over 16..31) by a
-// 4x4 transpose-add in each 128-bit lane. The adds stay 16-bit where no sum can overflow: a pair
-// sum is at most 2 * 127 * code, so four fit for codes up to 31 (4- and 5-bit: 31496 < 2^15) and
-// two for 6-bit codes; unpacking 32-bit units keeps each row's pair sums side by side, so one madd
-// with ones finishes the fold (two for 6-bit codes).
-template <int BITS>
-inline __m256i fold_quad(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-  __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-  if constexpr (BITS <= 5) {
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
-  } else {
-    e = _mm256_madd_epi16(e, ones);
-    o = _mm256_madd_epi16(o, ones);
-    return _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-  }
-}
-
 // the 32 codes of one block of a 4-, 5- or 6-bit row as 4 x 8 floats, in element order
 inline void widen_block(int64_t bits, const uint8_t* p, __m256 w[4]) {
   const __m256i q = bits == 4 ? codes32<4>(p) : bits == 5 ? codes32<5>(p) : codes32<6>(p);
