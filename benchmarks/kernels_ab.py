@@ -1,6 +1,7 @@
 """The CPU kernels of this tree against those of another git revision, interleaved in one process.
 
     python benchmarks/kernels_ab.py --base HEAD~1 [--model PATH.gguf] [--rows 128] [--int8|--float32]
+    python benchmarks/kernels_ab.py --base HEAD~1 --whole-model [--rounds 8]
 
 Both builds of ``quant/csrc`` are loaded side by side (the base under another module name), and
 every packed projection shape of the model (one per type and shape) is multiplied by each in
@@ -8,6 +9,11 @@ turn, calls alternating, so that both see the same machine load. On a shared or 
 this resolves differences of a few percent that runs of the whole model, minutes apart, do not.
 Prints multiply-adds per second (the 25th percentile of the calls: the fast end, less exposed
 to interruptions) and the ratio, and checks that both give the same result.
+
+Alone, a product reads its weight from cache; in the model the weights stream from memory, and
+a kernel that wins in cache can lose there. ``--whole-model`` loads the model once and alternates
+the two builds under it, round by round: greedy generation (64 tokens after a short prompt) and
+a 128-token prompt, as ``cpu_vs_llamacpp.py`` times them, with the median ratio of the rounds.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ def build(name: str, csrc: Path, defines: list[str]):
 
 
 def checkout_csrc(rev: str, into: Path) -> Path:
-    rel = CSRC.relative_to(Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip()))
-    archive = subprocess.run(["git", "archive", rev, str(rel)], check=True, capture_output=True).stdout
+    top = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=CSRC, text=True).strip())
+    archive = subprocess.run(["git", "archive", rev, str(CSRC.relative_to(top))], cwd=top, check=True,
+                             capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / rel
+    return into / CSRC.relative_to(top)
 
 
 def main() -> None:
@@ -52,6 +59,11 @@ def main() -> None:
     ap.add_argument("--float32", action="store_true", help="float32 activations instead of 8-bit")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stream", type=int, default=0, metavar="MB",
+                    help="cycle through copies of each weight, this many MB in all (more than the L3 cache: "
+                         "weights stream from memory, as in the model)")
+    ap.add_argument("--whole-model", action="store_true", help="time the model's decode and prompt steps")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of --whole-model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -63,6 +75,8 @@ def main() -> None:
         new = build("tx_kernels_new", CSRC, [])
         # another C++ name for the base's pybind class, which both modules register
         base = build("tx_kernels_base", checkout_csrc(args.base, Path(tmp)), ["-DDecoder=DecoderBase"])
+    if args.whole_model:
+        return whole_model(args, new, base)
     shapes = {}
     for t in GGUFFile(os.path.expanduser(args.model)).reader.tensors:
         if t.tensor_type in PACKABLE_TYPES and len(t.shape) == 2 and "blk." in t.name:
@@ -75,8 +89,18 @@ def main() -> None:
         w = from_gguf(torch.from_numpy(t.data.reshape(-1).view("uint8").copy()), t.tensor_type, (n, k))
         x = torch.randn(args.rows, k)
         mins = w.mins if w.mins is not None else torch.empty(0)
-        calls = {e: functools.partial(e.packed_linear, x, w.qs, w.scales, mins, None, w.bits, w.group, int8)
-                 for e in (new, base)}
+        size = w.qs.numel() + w.scales.numel() * w.scales.element_size() * (2 if w.mins is not None else 1)
+        copies = [(w.qs.clone(), w.scales.clone(), mins.clone())
+                  for _ in range(max(1, (args.stream << 20) // size))]
+        # the two builds take turns half the copies apart: neither reads what the other just did
+        turn = {new: 0, base: len(copies) // 2}
+
+        def call(e, copies=copies, turn=turn, x=x, w=w):
+            qs, scales, m = copies[turn[e] % len(copies)]
+            turn[e] += 1
+            return e.packed_linear(x, qs, scales, m, None, w.bits, w.group, int8)
+
+        calls = {e: functools.partial(call, e) for e in (new, base)}
         same = torch.equal(calls[new](), calls[base]())
         times = {new: [], base: []}
         for _ in range(args.calls):
@@ -87,6 +111,48 @@ def main() -> None:
         rate = {e: args.rows * n * k / sorted(ts)[len(ts) // 4] / 1e9 for e, ts in times.items()}
         print(f"{kind:5s} {n:6d} x {k:5d}: new {rate[new]:6.1f}, base {rate[base]:6.1f} G multiply-adds/s, "
               f"new / base {rate[new] / rate[base]:.3f}, {'identical' if same else 'results differ'}")
+
+
+def whole_model(args, new, base) -> None:
+    import statistics
+
+    from cpu_vs_llamacpp import GEN_TOKENS, PROMPT_TOKENS, prompt_ids
+
+    from tianxia import LLM, SamplingParams
+
+    llm = LLM(os.path.expanduser(args.model), threads=args.threads, num_kv_blocks=64, max_model_len=1024,
+              enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    long, short, _ = prompt_ids(llm.get_tokenizer())
+
+    def use(ext) -> None:
+        cpu_kernels.extension = lambda: ext
+        model._fused = None  # the fused decode step keeps the build that made it
+
+    def timed(ids: list[int], n: int) -> float:
+        t = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t
+
+    rates = {new: {"tg": [], "pp": []}, base: {"tg": [], "pp": []}}
+    for e in (new, base):  # warm-up
+        use(e)
+        timed(long, 1), timed(short, 8)
+    print(f"{os.path.basename(args.model)}, {args.threads} threads; new = working tree, base = {args.base}")
+    for r in range(args.rounds):
+        for e in (new, base) if r % 2 == 0 else (base, new):
+            use(e)
+            one = timed(short, 1)
+            rates[e]["tg"].append(GEN_TOKENS / (timed(short, GEN_TOKENS + 1) - one))
+            rates[e]["pp"].append(PROMPT_TOKENS / timed(long, 1))
+        print(f"round {r + 1}: generation {rates[new]['tg'][-1]:.1f} / {rates[base]['tg'][-1]:.1f}, "
+              f"prompt {rates[new]['pp'][-1]:.1f} / {rates[base]['pp'][-1]:.1f} tokens/s (new / base)", flush=True)
+    for what, label in (("tg", "generation"), ("pp", "prompt")):
+        ratios = [a / b for a, b in zip(rates[new][what], rates[base][what])]
+        print(f"{label}: new {statistics.median(rates[new][what]):.1f}, base {statistics.median(rates[base][what]):.1f}"
+              f" tokens/s; new / base per round: median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}-{max(ratios):.3f}")
 
 
 if __name__ == "__main__":

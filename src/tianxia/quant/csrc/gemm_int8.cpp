@@ -204,7 +204,7 @@ void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const f
   // from 9 rows on, the tiles beat the direct kernel (1.3-1.6x at 16 rows), below it the widening
   // of the weight does not pay
   const bool gemm = int8 && int8_gemm_path(w) && M > kMaxDirectRows;
-  a.prepare(x, M, w.K, gemm || w.mins != nullptr, int8 && int8_path(w));
+  a.prepare(x, M, w.K, gemm || w.mins != nullptr || (int8 && unsigned_offset(w)), int8 && int8_path(w));
   if (gemm) {
     int8_gemm(w, a, bias, out);
   } else {

@@ -5,7 +5,9 @@
 // float rounding.
 // Integer path (ggml's q8 dot products): each row is rounded to 8-bit codes with one scale per 32
 // elements, and weight codes meet them in maddubs/madd integer dot products, about half the
-// instructions per weight of the float path. It changes the numerics the way llama.cpp's CPU
+// instructions per weight of the float path. 4-, 5- and 6-bit codes stay unsigned (their stored
+// bits), which maddubs takes as they are, and a row's offsets and mins meet the activation sums
+// once per row; the scale products of a row are formed 8 at a time before its blocks. It changes the numerics the way llama.cpp's CPU
 // backend does (activations carry about 2-3 significant digits).
 #include "kernels.h"
 
@@ -132,6 +134,8 @@ void round_rows_q8(const float* x, float* out, int64_t blocks) {
 
 bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
 
+bool unsigned_offset(const Packed& w) { return w.bits == 5 || w.bits == 6; }
+
 namespace {
 
 // [M, groups]: the sums of each activation row over each group of w, for its mins
@@ -146,7 +150,7 @@ std::vector<float> group_sums(const Packed& w, const Activations& a) {
 
 template <int MR, typename S>
 void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
-                float* out, int64_t n0, int64_t n1) {
+                float* out, int64_t n0, int64_t n1, float*) {
   const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N;
   const float* x = a.x + m0 * K;
   for (int64_t n = n0; n < n1; ++n) {
@@ -208,52 +212,132 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
   }
 }
 
-template <int MR, int BITS, typename S>
-void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
-               float* out, int64_t n0, int64_t n1) {
-  const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N, nb = K / 32;
-  const int8_t* xq = a.q8.data() + m0 * K;
-  const float* xd = a.d8.data() + m0 * nb;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR];
-    float off[MR];
-    for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
-    const uint8_t* q = w.qs + n * w.row_bytes();
-    const S* sc = w.scales_of<S>(n);
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i wv, sw;
-      __m256 scale;
-      if constexpr (BITS == 4) {  // unsigned codes 0..15: maddubs takes them as they are
-        wv = codes32<4>(q + b * 16);
-        scale = _mm256_set1_ps(to_float(sc[b]));
-      } else {  // signed codes: |w| times x with w's sign (ggml's trick, maddubs is u8 x s8)
-        if constexpr (BITS == 8) {
-          sw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
-        } else {
-          sw = codes32<BITS>(q + b * 4 * BITS);
-        }
-        wv = _mm256_sign_epi8(sw, sw);
-        scale = G >= 32 ? _mm256_set1_ps(to_float(sc[b * 32 / G]))
-                        : _mm256_set_m128(_mm_set1_ps(to_float(sc[2 * b + 1])), _mm_set1_ps(to_float(sc[2 * b])));
+// Per weight row, before its blocks: for each of the MR activation rows, the weight scale times the
+// activation scale of every scale unit (a block of 32, or a half block for groups of 16), so that
+// a block's product takes one broadcast where it took a float16 conversion and a multiply:
+// sd[m * units + u]; and, with `offset`, sum_g (min_g - off * scale_g) * gsum[m, g] (gsum: the
+// row's sums over each group), the weight's mins and the offset of unsigned 5- and 6-bit codes.
+// One pass, 8 units at a time, then 4: a scalar float16 tail cost as much as the vector part.
+template <int MR, typename S>
+void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, const float* xd, const float* gsum,
+                  int64_t nb, float* sd, float offs[MR]) {
+  for (int m = 0; m < MR; ++m) offs[m] = 0.f;
+  if (G > 32) {  // one scale for several blocks (a scale per row, say): few rows take this path
+    for (int m = 0; m < MR; ++m)
+      for (int64_t b = 0; b < nb; ++b) sd[m * nb + b] = to_float(sc[b * 32 / G]) * xd[m * nb + b];
+    const int64_t ng = nb * 32 / G;
+    if (offset)
+      for (int64_t g = 0; g < ng; ++g) {
+        const float c = (mn ? to_float(mn[g]) : 0.f) - off * to_float(sc[g]);
+        for (int m = 0; m < MR; ++m) offs[m] += c * gsum[m * ng + g];
       }
-      for (int m = 0; m < MR; ++m) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-        if constexpr (BITS != 4) xv = _mm256_sign_epi8(xv, sw);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scale, _mm256_set1_ps(xd[m * nb + b])),
-                                 acc[m]);
-      }
+    return;
+  }
+  const int64_t units = G == 16 ? 2 * nb : nb;  // = the groups
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256 ov = _mm256_set1_ps(off);
+  int64_t u = 0;
+  for (; u + 8 <= units; u += 8) {
+    const __m256 s = load8(sc + u);
+    const __m256 c = offset ? _mm256_fnmadd_ps(ov, s, mn ? load8(mn + u) : _mm256_setzero_ps()) : s;
+    for (int m = 0; m < MR; ++m) {
+      const __m256 d = G == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + m * nb + u / 2)), pairs)
+                               : _mm256_loadu_ps(xd + m * nb + u);
+      _mm256_storeu_ps(sd + m * units + u, _mm256_mul_ps(s, d));
+      if (offset) acc[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(gsum + m * units + u), acc[m]);
     }
-    if (const S* mn = w.mins_of<S>(n))  // sum_g min_g * (sum of the row over group g), one dot per row
-      for (int m = 0; m < MR; ++m) off[m] = dot_mixed(mn, gsum + (m0 + m) * ng, ng);
-    const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + bv;
+  }
+  __m128 acc4[MR];
+  for (int m = 0; m < MR; ++m) acc4[m] = _mm_setzero_ps();
+  if (u + 4 <= units) {
+    const __m128 s = load4(sc + u);
+    const __m128 c = offset ? _mm_fnmadd_ps(_mm_set1_ps(off), s, mn ? load4(mn + u) : _mm_setzero_ps()) : s;
+    for (int m = 0; m < MR; ++m) {
+      const float* x = xd + m * nb;
+      const __m128 d = G == 16 ? _mm_setr_ps(x[u / 2], x[u / 2], x[u / 2 + 1], x[u / 2 + 1]) : _mm_loadu_ps(x + u);
+      _mm_storeu_ps(sd + m * units + u, _mm_mul_ps(s, d));
+      if (offset) acc4[m] = _mm_fmadd_ps(c, _mm_loadu_ps(gsum + m * units + u), acc4[m]);
+    }
+    u += 4;
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m128 s4 = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), acc4[m]);
+    __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    offs[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  for (; u < units; ++u) {
+    const float s = to_float(sc[u]);
+    const float c = (mn ? to_float(mn[u]) : 0.f) - off * s;
+    for (int m = 0; m < MR; ++m) {
+      sd[m * units + u] = s * xd[m * nb + (G == 16 ? u / 2 : u)];
+      if (offset) offs[m] += c * gsum[m * units + u];
+    }
   }
 }
 
+// One weight row against MR activation rows over all blocks: 4-, 5- and 6-bit codes stay unsigned
+// (maddubs is u8 x s8; the offsets of 5- and 6-bit codes meet the activation sums afterwards), 8-bit
+// ones take ggml's sign trick. Even and odd blocks add into separate sums: one chain of
+// multiply-adds would wait out the FMA's latency at every block when there are few activation rows.
+template <int MR, int BITS, bool HALVES>
+inline void int8_row(const uint8_t* q, const int8_t* xq, const float* sd, int64_t K, int64_t nb, __m256 acc[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t units = HALVES ? 2 * nb : nb;
+  __m256 odd[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = odd[m] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256* sum) __attribute__((always_inline)) {
+    __m256i wv, sw;
+    if constexpr (BITS == 8) {
+      sw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+      wv = _mm256_sign_epi8(sw, sw);
+    } else {
+      wv = codes32<BITS, true>(q + b * 4 * BITS);
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+      if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, sw);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+      const float* s = sd + m * units;
+      const __m256 scale = HALVES ? _mm256_set_m128(_mm_broadcast_ss(s + 2 * b + 1), _mm_broadcast_ss(s + 2 * b))
+                                  : _mm256_broadcast_ss(s + b);
+      sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, sum[m]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc);
+    block(b + 1, odd);
+  }
+  if (b < nb) block(b, acc);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_add_ps(acc[m], odd[m]);
+}
+
+template <int MR, int BITS, typename S>
+void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
+               float* out, int64_t n0, int64_t n1, float* sd) {
+  const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N, nb = K / 32;
+  const int8_t* xq = a.q8.data() + m0 * K;
+  const float* xd = a.d8.data() + m0 * nb;
+  const float off = BITS == 5 ? 16.f : BITS == 6 ? 32.f : 0.f;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[MR];
+    float offs[MR];
+    const uint8_t* q = w.qs + n * w.row_bytes();
+    const S* sc = w.scales_of<S>(n);
+    const S* mn = w.mins_of<S>(n);
+    row_prologue<MR, S>(sc, mn, G, off, mn || off != 0.f, xd, gsum ? gsum + m0 * ng : nullptr, nb, sd, offs);
+    if (G == 16) int8_row<MR, BITS, true>(q, xq, sd, K, nb, acc);
+    else int8_row<MR, BITS, false>(q, xq, sd, K, nb, acc);
+    const float bv = bias ? bias[n] : 0.f;
+    for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + offs[m] + bv;
+  }
+}
+
+// (..., n0, n1, scratch): scratch holds kMaxDirectRows * K / 16 floats
 using RowsFn = void (*)(const Packed&, const Activations&, const float*, int64_t, const float*, float*, int64_t,
-                        int64_t);
+                        int64_t, float*);
 using RowsTable = std::array<RowsFn, kMaxDirectRows>;
 
 template <typename S, int... M>
@@ -277,11 +361,12 @@ constexpr int64_t kWeightTile = 16;
 
 void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out) {
   TORCH_CHECK(a.K == w.K, "activation rows have ", a.K, " elements, the weight expects ", w.K);
-  TORCH_CHECK(!w.mins || !a.sums.empty(), "weights with mins need the activation sums");
   const bool integer = a.quantized && int8_path(w);
+  TORCH_CHECK(!(w.mins || (integer && unsigned_offset(w))) || !a.sums.empty(),
+              "weights with mins or offset codes need the activation sums");
   const RowsTable& table = w.half ? rows_table<uint16_t>(w, integer) : rows_table<float>(w, integer);
   std::vector<float> gsum;
-  if (w.mins) gsum = group_sums(w, a);
+  if (w.mins || (integer && unsigned_offset(w))) gsum = group_sums(w, a);
   const float* gs = gsum.empty() ? nullptr : gsum.data();
   // a tile of weight rows stays in L1 while every chunk of activation rows passes it; the tiles go
   // in turn to whichever thread is free, so a core slowed down by another process takes fewer
@@ -291,13 +376,14 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
   const int64_t shares = (w.N + share - 1) / share;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(kMaxDirectRows * (w.K / 16 + 1));
     for (int64_t i; (i = next.fetch_add(1)) < shares;) {
       const int64_t n1 = std::min(w.N, (i + 1) * share);
       for (int64_t t0 = i * share; t0 < n1; t0 += kWeightTile) {
         const int64_t t1 = std::min(n1, t0 + kWeightTile);
         for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
           const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
-          table[mr - 1](w, a, gs, m0, bias, out, t0, t1);
+          table[mr - 1](w, a, gs, m0, bias, out, t0, t1, scratch.data());
         }
       }
     }

@@ -115,6 +115,8 @@ inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
 // 8 floats from float32 or float16 (widened with F16C) memory
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 load4(const uint16_t* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
 // sum_i a[i] * b[i] with a's float16 or float32 values (for float32, the same sums as dot)
 template <typename S>
@@ -168,6 +170,10 @@ void small_matmul(const Packed& w, const Activations& a, const float* bias, floa
 
 // Whether the integer dot products (8-bit activations) are used for products with `w`.
 bool int8_path(const Packed& w);
+
+// Whether the integer products with `w` keep 5- or 6-bit codes unsigned (stored bits, 0..31 or
+// 0..63) and take off their offset (16 or 32 times the scale) with the activation sums.
+bool unsigned_offset(const Packed& w);
 
 // Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits.
 bool int8_gemm_path(const Packed& w);
