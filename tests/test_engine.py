@@ -121,6 +121,34 @@ def test_chunked_prefill_matches_unchunked(smollm2_path, exact):
     _check_same(exact, [prompt], ref, got, "chunked")
 
 
+def test_the_last_mlp_runs_on_the_sampled_rows_only(smollm2_llm, smollm2_reference):
+    # a prompt needs every token's K/V but only its last row's hidden state: the last layer's MLP
+    # sees one row per prompt (all rows where prompt logprobs need them), and the first token's
+    # logprobs still match transformers
+    import torch
+
+    mlp = smollm2_llm.engine.runner.model.model.layers[-1].mlp
+    rows: list[int] = []
+    hook = mlp.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    prompts = ["The three primary colors are", "def fibonacci(n):\n    "]
+    try:
+        outs = smollm2_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                                    use_tqdm=False)
+        assert rows == [2]
+        rows.clear()
+        smollm2_llm.generate(prompts[0] + " red,", SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        assert len(rows) == 1 and rows[0] > 1
+    finally:
+        hook.remove()
+    for out in outs:
+        with torch.no_grad():
+            ref = smollm2_reference(torch.tensor([out.prompt_token_ids])).logits[0, -1].float().log_softmax(-1)
+        entry = out.outputs[0].logprobs[0]
+        assert out.outputs[0].token_ids[0] == int(ref.argmax())
+        for token, lp in entry.items():
+            assert abs(lp.logprob - ref[token].item()) < 1e-4
+
+
 def test_stop_strings_eos_and_max_tokens(smollm2_llm):
     base = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))[0]
     text = base.outputs[0].text

@@ -135,16 +135,25 @@ class ModelRunner:
         for src, dst in copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         order, ids, pos, meta = self._prepare(scheduled)
-        graph_logits = self._decode_graph_logits(order, ids, pos, meta)
-        hidden = None if graph_logits is not None else self.model(ids, pos, self.kv_caches, meta)
-        result = StepResult()
-        self._prompt_logprobs(order, hidden, meta, result)
         rows, seqs = [], []
         for i, (seq, n) in enumerate(order):
             if seq.num_computed_tokens + n == len(seq):
                 for s in (seq, *(forks or {}).get(seq.seq_id, ())):
                     rows.append(meta.query_start_loc[i + 1] - 1)
                     seqs.append(s)
+        graph_logits = self._decode_graph_logits(order, ids, pos, meta)
+        keep = self._rows_to_keep(order, rows, ids.shape[0])
+        if graph_logits is not None:
+            hidden = None
+        elif keep is not None:
+            hidden = self.model(ids, pos, self.kv_caches, meta, torch.tensor(keep, dtype=torch.long, device=self.device))
+            where = {r: j for j, r in enumerate(keep)}
+            rows = [where[r] for r in rows]
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+        result = StepResult()
+        if keep is None:
+            self._prompt_logprobs(order, hidden, meta, result)
         if not seqs:
             return result
         if graph_logits is not None:
@@ -211,6 +220,17 @@ class ModelRunner:
             if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 return None
         return gr.run(ids, pos, meta)
+
+    def _rows_to_keep(self, order, rows: list[int], tokens: int) -> list[int] | None:
+        """The hidden rows a step needs (those it samples from), where the model can drop the
+        others before its last MLP: None when it cannot, when every row is needed (decode steps)
+        or when a prompt's logprobs need them all."""
+        if not getattr(self.model, "keeps_rows", False) or len(set(rows)) == tokens:
+            return None
+        if any(seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+               for seq, _ in order):
+            return None
+        return sorted(set(rows))
 
     def _prompt_logprobs(self, order, hidden, meta: AttentionMetadata, result: StepResult) -> None:
         for i, (seq, n) in enumerate(order):

@@ -162,13 +162,17 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(hidden, eps)
             self.post_feedforward_layernorm = norm(hidden, eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta):
+    def forward(self, positions, hidden, residual, kv_cache, meta, keep: torch.Tensor | None = None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if keep is not None:  # every token's K/V is in the cache: only these rows go on
+            hidden, residual = hidden[keep], residual[keep]
+            if not len(keep):
+                return hidden, residual
         if not self.sandwich:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
@@ -207,7 +211,7 @@ class LlamaModel(nn.Module):
             self._fused = FusedDecoder(self, kv_caches, self.int8_activations)
         return self._fused
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
@@ -216,8 +220,11 @@ class LlamaModel(nn.Module):
             self.num_fused_steps += 1
             return fused(hidden, positions, meta)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, keep if i == last else None)
+        if not len(hidden):
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -235,6 +242,7 @@ _LAYER_MODULE = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)(\..+)$")
 
 class LlamaForCausalLM(nn.Module):
     packed_weights = True  # load_weights takes PackedWeight matrices (CPU kernels)
+    keeps_rows = True  # forward takes `keep`
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -252,8 +260,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        """The final hidden states of every token, or with ``keep`` of those rows only: the last
+        layer then runs its MLP on them alone (as llama.cpp does), the rest of a prompt needing
+        only its K/V."""
+        return self.model(input_ids, positions, kv_caches, meta, keep)
 
     @property
     def int8_activations(self) -> bool:
