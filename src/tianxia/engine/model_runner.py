@@ -180,6 +180,11 @@ class ModelRunner:
             for i, seq in enumerate(seqs):
                 if faults.hits("nan", seq.prompt):
                     logits[i] = float("nan")
+        # a row's sum is NaN where one of its logits is (or where it holds both infinities): one
+        # value per row, where isnan made a flag per logit (a third of a millisecond per step for
+        # a 150k vocabulary on CPU)
+        if not bool(logits.sum(dim=-1).isnan().any()):
+            return logits
         nan_rows = torch.isnan(logits).any(dim=-1)
         if not bool(nan_rows.any()):
             return logits
