@@ -76,9 +76,10 @@ inline void widen_q8x16(const int8_t* p, __m256 w[2]) {
 // bits: 0..31 and 0..63)
 template <int BITS, bool UNSIGNED = false>
 inline __m256i codes32(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+  // the 16 bytes in both lanes (a broadcast load), the high lane shifted down a nibble: one shift
+  // and one mask, where two masks, a shift and an insert took the low and high nibbles apart
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
   if constexpr (BITS == 4) {
     return lo;
   } else if constexpr (BITS == 5) {
