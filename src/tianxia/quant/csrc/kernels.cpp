@@ -218,7 +218,7 @@ void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_
 // sd[m * units + u]; and, with `offset`, sum_g (min_g - off * scale_g) * gsum[m, g] (gsum: the
 // row's sums over each group), the weight's mins and the offset of unsigned 5- and 6-bit codes.
 // One pass, 8 units at a time, then 4: a scalar float16 tail cost as much as the vector part.
-template <int MR, typename S>
+template <int MR, typename S, bool WEIGHT_ONLY = false>
 void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, const float* xd, const float* gsum,
                   int64_t nb, float* sd, float offs[MR]) {
   for (int m = 0; m < MR; ++m) offs[m] = 0.f;
@@ -242,10 +242,13 @@ void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, c
   for (; u + 8 <= units; u += 8) {
     const __m256 s = load8(sc + u);
     const __m256 c = offset ? _mm256_fnmadd_ps(ov, s, mn ? load8(mn + u) : _mm256_setzero_ps()) : s;
+    if (WEIGHT_ONLY) _mm256_storeu_ps(sd + u, s);
     for (int m = 0; m < MR; ++m) {
-      const __m256 d = G == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + m * nb + u / 2)), pairs)
-                               : _mm256_loadu_ps(xd + m * nb + u);
-      _mm256_storeu_ps(sd + m * units + u, _mm256_mul_ps(s, d));
+      if (!WEIGHT_ONLY) {
+        const __m256 d = G == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + m * nb + u / 2)), pairs)
+                                 : _mm256_loadu_ps(xd + m * nb + u);
+        _mm256_storeu_ps(sd + m * units + u, _mm256_mul_ps(s, d));
+      }
       if (offset) acc[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(gsum + m * units + u), acc[m]);
     }
   }
@@ -254,10 +257,11 @@ void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, c
   if (u + 4 <= units) {
     const __m128 s = load4(sc + u);
     const __m128 c = offset ? _mm_fnmadd_ps(_mm_set1_ps(off), s, mn ? load4(mn + u) : _mm_setzero_ps()) : s;
+    if (WEIGHT_ONLY) _mm_storeu_ps(sd + u, s);
     for (int m = 0; m < MR; ++m) {
       const float* x = xd + m * nb;
       const __m128 d = G == 16 ? _mm_setr_ps(x[u / 2], x[u / 2], x[u / 2 + 1], x[u / 2 + 1]) : _mm_loadu_ps(x + u);
-      _mm_storeu_ps(sd + m * units + u, _mm_mul_ps(s, d));
+      if (!WEIGHT_ONLY) _mm_storeu_ps(sd + m * units + u, _mm_mul_ps(s, d));
       if (offset) acc4[m] = _mm_fmadd_ps(c, _mm_loadu_ps(gsum + m * units + u), acc4[m]);
     }
     u += 4;
@@ -270,8 +274,9 @@ void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, c
   for (; u < units; ++u) {
     const float s = to_float(sc[u]);
     const float c = (mn ? to_float(mn[u]) : 0.f) - off * s;
+    if (WEIGHT_ONLY) sd[u] = s;
     for (int m = 0; m < MR; ++m) {
-      sd[m * units + u] = s * xd[m * nb + (G == 16 ? u / 2 : u)];
+      if (!WEIGHT_ONLY) sd[m * units + u] = s * xd[m * nb + (G == 16 ? u / 2 : u)];
       if (offset) offs[m] += c * gsum[m * units + u];
     }
   }
@@ -279,39 +284,71 @@ void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, c
 
 // One weight row against MR activation rows over all blocks: 4-, 5- and 6-bit codes stay unsigned
 // (maddubs is u8 x s8; the offsets of 5- and 6-bit codes meet the activation sums afterwards), 8-bit
-// ones take ggml's sign trick. Even and odd blocks add into separate sums: one chain of
-// multiply-adds would wait out the FMA's latency at every block when there are few activation rows.
-template <int MR, int BITS, bool HALVES>
-inline void int8_row(const uint8_t* q, const int8_t* xq, const float* sd, int64_t K, int64_t nb, __m256 acc[MR]) {
+// ones take ggml's sign trick.
+// LATE (more than 2 rows): sd holds the weight's scales alone, and each row's block multiplies
+// them by its activation scale: the products of every row cost the prologue more than they saved
+// (0.81x for Q6_K at 8 rows, whose two halves' products took two broadcasts and an insert). At 8
+// rows the pairs of blocks still cost registers: 0.94-0.97x for Q4_K/Q6_K, 1.02-1.05x for Q5_0.
+template <int MR, int BITS, bool HALVES, bool LATE = false>
+inline void int8_row(const uint8_t* q, const int8_t* xq, const float* xd, const float* sd, int64_t K, int64_t nb,
+                     __m256 acc[MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t units = HALVES ? 2 * nb : nb;
-  __m256 odd[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = odd[m] = _mm256_setzero_ps();
-  auto block = [&](int64_t b, __m256* sum) __attribute__((always_inline)) {
-    __m256i wv, sw;
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  auto codes = [&](int64_t b, __m256i& wv, __m256i& sw) __attribute__((always_inline)) {
     if constexpr (BITS == 8) {
       sw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
       wv = _mm256_sign_epi8(sw, sw);
     } else {
       wv = codes32<BITS, true>(q + b * 4 * BITS);
     }
-    for (int m = 0; m < MR; ++m) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-      if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, sw);
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-      const float* s = sd + m * units;
-      const __m256 scale = HALVES ? _mm256_set_m128(_mm_broadcast_ss(s + 2 * b + 1), _mm_broadcast_ss(s + 2 * b))
-                                  : _mm256_broadcast_ss(s + b);
-      sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, sum[m]);
-    }
   };
+  auto weight_scale = [&](int64_t b) __attribute__((always_inline)) {
+    return HALVES ? _mm256_set_m128(_mm_broadcast_ss(sd + 2 * b + 1), _mm_broadcast_ss(sd + 2 * b))
+                  : _mm256_broadcast_ss(sd + b);
+  };
+  // block b's dot product for row m, as floats times its scale product (still to be multiplied)
+  auto product = [&](int64_t b, int m, __m256i wv, __m256i sw, __m256 wscale, __m256& p, __m256& scale)
+      __attribute__((always_inline)) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+    if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, sw);
+    p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+    const float* s = sd + m * units;
+    if constexpr (LATE) scale = _mm256_mul_ps(wscale, _mm256_broadcast_ss(xd + m * nb + b));
+    else if constexpr (HALVES) scale = _mm256_set_m128(_mm_broadcast_ss(s + 2 * b + 1), _mm_broadcast_ss(s + 2 * b));
+    else scale = _mm256_broadcast_ss(s + b);
+  };
+  // Two blocks at a time, added to the row's sum together: one chain of multiply-adds per block
+  // would wait out the FMA's latency at every block when there are few activation rows. Every
+  // row count sums in this order, so a row's result does not depend on the rows beside it.
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    block(b, acc);
-    block(b + 1, odd);
+    __m256i w0, s0, w1, s1;
+    codes(b, w0, s0);
+    codes(b + 1, w1, s1);
+    __m256 ws0, ws1;
+    if constexpr (LATE) {
+      ws0 = weight_scale(b);
+      ws1 = weight_scale(b + 1);
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m256 p0, c0, p1, c1;
+      product(b, m, w0, s0, ws0, p0, c0);
+      product(b + 1, m, w1, s1, ws1, p1, c1);
+      acc[m] = _mm256_add_ps(acc[m], _mm256_fmadd_ps(p1, c1, _mm256_mul_ps(p0, c0)));
+    }
   }
-  if (b < nb) block(b, acc);
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_add_ps(acc[m], odd[m]);
+  if (b < nb) {
+    __m256i w, sw;
+    codes(b, w, sw);
+    __m256 ws;
+    if constexpr (LATE) ws = weight_scale(b);
+    for (int m = 0; m < MR; ++m) {
+      __m256 p, c;
+      product(b, m, w, sw, ws, p, c);
+      acc[m] = _mm256_fmadd_ps(p, c, acc[m]);
+    }
+  }
 }
 
 template <int MR, int BITS, typename S>
@@ -327,9 +364,16 @@ void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t
     const uint8_t* q = w.qs + n * w.row_bytes();
     const S* sc = w.scales_of<S>(n);
     const S* mn = w.mins_of<S>(n);
-    row_prologue<MR, S>(sc, mn, G, off, mn || off != 0.f, xd, gsum ? gsum + m0 * ng : nullptr, nb, sd, offs);
-    if (G == 16) int8_row<MR, BITS, true>(q, xq, sd, K, nb, acc);
-    else int8_row<MR, BITS, false>(q, xq, sd, K, nb, acc);
+    const float* gs = gsum ? gsum + m0 * ng : nullptr;
+    if (MR > 2 && G <= 32) {
+      row_prologue<MR, S, true>(sc, mn, G, off, mn || off != 0.f, xd, gs, nb, sd, offs);
+      if (G == 16) int8_row<MR, BITS, true, true>(q, xq, xd, sd, K, nb, acc);
+      else int8_row<MR, BITS, false, true>(q, xq, xd, sd, K, nb, acc);
+    } else {
+      row_prologue<MR, S>(sc, mn, G, off, mn || off != 0.f, xd, gs, nb, sd, offs);
+      if (G == 16) int8_row<MR, BITS, true>(q, xq, xd, sd, K, nb, acc);
+      else int8_row<MR, BITS, false>(q, xq, xd, sd, K, nb, acc);
+    }
     const float bv = bias ? bias[n] : 0.f;
     for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + offs[m] + bv;
   }
