@@ -13,7 +13,7 @@ FAULTS = {
 }
 SMALL_SLOTS, SMALL_WAITING, SMALL_TIMEOUT = 2, 4, 10
 SMALL_ARGS = [
-    "--api-key", API_KEY, "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+    "--api-key", API_KEY, "--kv-cache-memory", "160MiB", "--max-model-len", "3072",
     "--max-num-seqs", str(SMALL_SLOTS), "--max-waiting-requests", str(SMALL_WAITING),
     "--request-timeout", str(SMALL_TIMEOUT), "--seed", "0",
 ]
