@@ -32,7 +32,7 @@ struct WeightTile {
 template <int BITS, typename S>
 void widen_tile(const Packed& w, int64_t n0, int64_t rows, WeightTile& t) {
   const int64_t nb = w.K / 32, G = w.group, quads = (rows + 3) / 4;
-  const float off = BITS == 4 ? 0.f : BITS == 5 ? 16.f : 32.f;
+  const float off = kCodeOffset<BITS>;
   t.rows = rows;
   t.codes.resize(quads * nb * 128);
   t.factors.resize(quads * nb * 16);

@@ -7,8 +7,9 @@
 // elements, and weight codes meet them in maddubs/madd integer dot products, about half the
 // instructions per weight of the float path. 4-, 5- and 6-bit codes stay unsigned (their stored
 // bits), which maddubs takes as they are, and a row's offsets and mins meet the activation sums
-// once per row; the scale products of a row are formed 8 at a time before its blocks. It changes the numerics the way llama.cpp's CPU
-// backend does (activations carry about 2-3 significant digits).
+// once per row; the scale products of a row are formed 8 at a time before its blocks. It changes
+// the numerics the way llama.cpp's CPU backend does (activations carry about 2-3 significant
+// digits).
 #include "kernels.h"
 
 #include <c10/util/Exception.h>
@@ -357,7 +358,7 @@ void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t
   const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N, nb = K / 32;
   const int8_t* xq = a.q8.data() + m0 * K;
   const float* xd = a.d8.data() + m0 * nb;
-  const float off = BITS == 5 ? 16.f : BITS == 6 ? 32.f : 0.f;
+  const float off = kCodeOffset<BITS>;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[MR];
     float offs[MR];
@@ -406,11 +407,11 @@ constexpr int64_t kWeightTile = 16;
 void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out) {
   TORCH_CHECK(a.K == w.K, "activation rows have ", a.K, " elements, the weight expects ", w.K);
   const bool integer = a.quantized && int8_path(w);
-  TORCH_CHECK(!(w.mins || (integer && unsigned_offset(w))) || !a.sums.empty(),
-              "weights with mins or offset codes need the activation sums");
+  const bool with_sums = w.mins || (integer && unsigned_offset(w));
+  TORCH_CHECK(!with_sums || !a.sums.empty(), "weights with mins or offset codes need the activation sums");
   const RowsTable& table = w.half ? rows_table<uint16_t>(w, integer) : rows_table<float>(w, integer);
   std::vector<float> gsum;
-  if (w.mins || (integer && unsigned_offset(w))) gsum = group_sums(w, a);
+  if (with_sums) gsum = group_sums(w, a);
   const float* gs = gsum.empty() ? nullptr : gsum.data();
   // a tile of weight rows stays in L1 while every chunk of activation rows passes it; the tiles go
   // in turn to whichever thread is free, so a core slowed down by another process takes fewer

@@ -110,6 +110,10 @@ inline void widen_block(int64_t bits, const uint8_t* p, __m256 w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
 
+// the offset that 5- and 6-bit codes keep when they stay unsigned (their stored bits): 16 and 32
+template <int BITS>
+constexpr float kCodeOffset = BITS == 5 ? 16.f : BITS == 6 ? 32.f : 0.f;
+
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
 
