@@ -87,11 +87,11 @@ def test_int8_activations_stay_close_and_batch_invariant(qtype):
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "Q3_K", "int8"])
 def test_many_rows_equal_the_direct_integer_kernel(kind):
-    # more than 8 rows take the integer GEMM (register tiles of 4 weight rows; 4-6-bit codes) or
-    # BLAS on the rounded rows (8-bit codes from 17 rows on): every row count around the tile
-    # edges, a weight whose rows are not a multiple of 4, and a bias, against the direct kernel (one
-    # activation row at a time) on the same 8-bit codes. Q3_K: 8-bit codes in groups of 16; int8:
-    # one group per row.
+    # more than 8 rows take the integer GEMM (register tiles of 4 weight rows; 4- to 8-bit codes)
+    # or BLAS on the rounded rows (Q3_K: 8-bit codes in groups of 16, from 17 rows on): every row
+    # count around the tile edges, a weight whose rows are not a multiple of 4, and a bias, against
+    # the direct kernel (one activation row at a time) on the same 8-bit codes. int8: one group per
+    # row.
     rows = 42
     g = torch.Generator().manual_seed(1)
     w = torch.randn(rows, COLS, generator=g)

@@ -64,8 +64,8 @@ def fused_ops(t: torch.Tensor):
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
     """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds every row to 8-bit codes per
     32 values first (llama.cpp's numerics): up to 8 rows then take integer dot products, more rows
-    the integer GEMM (4-, 5- and 6-bit codes) or BLAS on the rounded values (8-bit codes). The
-    torch fallback stays float."""
+    the integer GEMM (4-, 5-, 6- and 8-bit codes) or BLAS on the rounded values (8-bit codes in
+    groups of 16). The torch fallback stays float."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)

@@ -2,8 +2,8 @@
 // float32 ops of a decode step (fused_ops.cpp), and the whole-step decoder (decoder.cpp).
 //
 // A few activation rows (decode) run the direct kernels, which keep the weights packed; with 8-bit
-// activations, more rows take the integer GEMM (4-, 5- and 6-bit codes). The rest (float32
-// activations, 8-bit codes) dequantize tiles of weight rows into cache-sized buffers for
+// activations, more rows take the integer GEMM (4-, 5-, 6- and 8-bit codes). The rest (float32
+// activations; 8-bit codes in groups of 16) dequantize tiles of weight rows into cache-sized buffers for
 // single-threaded BLAS calls, and from kWideRows on (a batch of prompts) whole chunks of the
 // weight for multi-threaded ones: BLAS is faster than the direct kernel once a dequantized weight
 // is reused enough.

@@ -180,11 +180,12 @@ bool int8_path(const Packed& w);
 // 0..63) and take off their offset (16 or 32 times the scale) with the activation sums.
 bool unsigned_offset(const Packed& w);
 
-// Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits.
+// Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits, or 8-bit codes in groups of 32 (or a
+// multiple) without mins.
 bool int8_gemm_path(const Packed& w);
 
 // out = x w^T (+ bias) for M rows of x, with the activations prepared in `a`: the direct kernels
-// for up to kMaxDirectRows rows (2x that for 8-bit codes with int8), int8_gemm beyond (batched
+// for up to kMaxDirectRows rows (2x that for 8-bit codes in groups of 16 with int8), int8_gemm beyond (batched
 // decode steps and prompts) where it takes the weight
 void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
                   Activations& a);
