@@ -259,6 +259,11 @@ class LLMEngine:
             max_len, capacity / longest,
         )
         if self.device.type == "cpu":
+            # the C++ kernels compile on first use (a minute or two, once per machine and torch
+            # version): here, before the server says it is healthy, not inside the first request
+            from tianxia.quant import cpu_kernels
+
+            cpu_kernels.extension()
             logger.info("CPU: %d threads; resident memory after load %.1f MiB (weights and KV cache)",
                         torch.get_num_threads(), rss_bytes() / 2**20)
 

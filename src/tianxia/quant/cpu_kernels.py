@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +37,8 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
+        t0 = time.perf_counter()
+        ext = load(
             name="tianxia_cpu_kernels",
             sources=[str(_CSRC / f) for f in _SOURCES],
             extra_include_paths=[str(_CSRC)],
@@ -44,6 +46,9 @@ def extension():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        if (took := time.perf_counter() - t0) > 5:  # built now, not found in torch's cache
+            logger.info("built the CPU kernels in %.0f s (once per machine and torch version)", took)
+        return ext
     except Exception as e:  # no compiler, no headers: stay correct, just slower
         logger.warning("could not build the packed-weight kernels (%s); using the torch fallback", e)
         return None
