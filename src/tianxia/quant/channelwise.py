@@ -97,6 +97,10 @@ class ChannelwiseLinear(nn.Module):
 
 
 def _quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        from tianxia.layers.attention.triton_ops import quantize_rows_fp8
+
+        return quantize_rows_fp8(x)
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / _QMAX["fp8"]
     return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
