@@ -140,7 +140,7 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
     hf.config.save_pretrained(tmp)
     mcfg = hf_model_config(tmp)
 
-    def fake_load(spec, *, dtype, device, backend):
+    def fake_load(spec, *, dtype, device, backend, **_options):
         with torch.device("meta"):
             model = get_model_class(mcfg)(mcfg, backend)
         model.to_empty(device=device)
@@ -630,7 +630,7 @@ def section_quant(args):
             )
             r: dict = {"startup_s": startup}
             try:
-                wbytes = base_bytes - proj + (proj // 2 if method else 0)
+                wbytes = base_bytes - proj // 2 if method else base_bytes  # 1-byte weights halve the projections
                 prompt = prompts[0] * 2
                 steps: list[float] = []
                 engine_generate(engine, [prompt], [128], steps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,16 +25,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def make_model_dir(root: Path) -> Path:
+def make_model_dir(root: Path, shape: str = "qwen2.5-0.5b", tokenizer_dir: Path | None = None) -> Path:
+    """A random-weight model of ``shape`` saved as a Hugging Face directory, with the tokenizer of
+    ``tokenizer_dir`` (e.g. Qwen2.5's, saved with ``save_pretrained``) or else a word-level
+    tokenizer of its vocabulary."""
     import gpu_bench as gb
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    d = root / "qwen2.5-0.5b-random"
-    hf = gb.build_hf("qwen2.5-0.5b", "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16)
+    d = root / f"{shape}-random"
+    hf = gb.build_hf(shape, "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16)
     hf.save_pretrained(d)
     vocab = hf.config.vocab_size
     del hf
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            shutil.copy(f, d / f.name)
+        return d
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{gb.EOS}", unk_token="t0").save_pretrained(d)

@@ -1,0 +1,81 @@
+"""``tianxia serve`` on one GPU under ``tianxia bench sweep``: the 128-in / 64-out workload at
+rising request rates, for random-weight models of real shapes.
+
+For each shape: save a random-weight model with Qwen2.5's tokenizer (``--tokenizer-dir``; the
+workload's prompts are random whole words, re-tokenized to exactly 128 tokens), start ``tianxia serve`` on it (CUDA graphs, KV cache
+from ``--gpu-memory-utilization``), run the sweep (Poisson arrivals, ``ignore_eos``, every request
+exactly 64 output tokens), stop the server. Writes ``serve_<shape>.json`` / ``.png`` per shape and
+``gpu_serving.md`` (requests/s, output tokens/s, TTFT / TPOT percentiles per rate).
+
+    PYTHONPATH=src python benchmarks/gpu_serving.py --out /tmp/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> int:
+    from gpu_build_startup import make_model_dir
+    from serving_vs_llamacpp import server
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b"])
+    ap.add_argument("--rates", default="8,32,128,inf", help="request rates, req/s")
+    ap.add_argument("--prompts-per-point", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+                    help="a Qwen2.5 tokenizer saved with save_pretrained (the random workload needs "
+                         "whole-word tokens)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="tx-serve-"))
+    md = ["| shape | rate (req/s) | requests/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed |",
+          "|---|---|---|---|---|---|---|"]
+    summary: dict = {}
+    for shape in args.shapes:
+        t0 = time.perf_counter()
+        d = make_model_dir(root, shape, args.tokenizer_dir)
+        print(f"{shape}: saved in {time.perf_counter() - t0:.1f} s", flush=True)
+        serve = [sys.executable, "-m", "tianxia.cli", "serve", str(d), "--host", "127.0.0.1",
+                 "--port", str(args.port), "--served-model-name", shape, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-model-len", "2048", "--gpu-memory-utilization", "0.85",
+                 "--disable-log-stats", "--disable-access-log"]
+        res_path = out / f"serve_{shape}.json"
+        bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
+                 f"http://127.0.0.1:{args.port}", "--model", shape, "--tokenizer", str(d),
+                 "--input-len", "128", "--output-len", "64", "--request-rates", args.rates,
+                 "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress",
+                 "--save-result", str(res_path), "--plot", str(out / f"serve_{shape}.png")]
+        t0 = time.monotonic()
+        with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0):
+            startup = time.monotonic() - t0
+            r = subprocess.run(bench, capture_output=True, text=True)
+            print(r.stdout[-6000:], r.stderr[-3000:], flush=True)
+        summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": r.returncode}
+        if res_path.is_file():
+            for pt in json.loads(res_path.read_text())["points"]:
+                s = pt["summary"]
+                md.append(f"| {shape} | {pt['load']} | {s['request_throughput']:.1f} | {s['output_throughput']:.0f} | "
+                          f"{s['ttft_ms']['median']:.1f} / {s['ttft_ms']['p99']:.1f} | "
+                          f"{s['tpot_ms']['median']:.2f} / {s['tpot_ms']['p99']:.2f} | {s['failed']} |")
+    text = "\n".join(md) + "\n\n" + json.dumps(summary) + "\n"
+    (out / "gpu_serving.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
