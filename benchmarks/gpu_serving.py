@@ -24,6 +24,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def triton_cache_entries() -> set[str]:
+    """``entry/kernel`` for each compiled kernel in the Triton cache (an entry holds one kernel's
+    ``<name>.json`` beside its binaries)."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not cache.is_dir():
+        return set()
+    return {f"{d.name}/{f.stem}" for d in cache.iterdir() if d.is_dir()
+            for f in d.glob("*.json") if not f.name.startswith("__grp__")}
+
+
 def main() -> int:
     from gpu_build_startup import make_model_dir
     from serving_vs_llamacpp import server
@@ -42,6 +52,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tx-serve-"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))  # the servers' kernels, counted
     md = ["| shape | rate (req/s) | requests/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed |",
           "|---|---|---|---|---|---|---|"]
     summary: dict = {}
@@ -62,9 +73,13 @@ def main() -> int:
         t0 = time.monotonic()
         with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0):
             startup = time.monotonic() - t0
+            kernels = triton_cache_entries()
             r = subprocess.run(bench, capture_output=True, text=True)
             print(r.stdout[-6000:], r.stderr[-3000:], flush=True)
-        summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": r.returncode}
+            # kernels the server compiled while serving (each a stall of a step): should be none
+            compiled = triton_cache_entries() - kernels
+        summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": r.returncode,
+                          "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
         if res_path.is_file():
             for pt in json.loads(res_path.read_text())["points"]:
                 s = pt["summary"]

@@ -85,7 +85,10 @@ def _tanh(x):
     return tl.where(x >= 0, t, -t)
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton compiles a variant
+# per "equals 1 / divisible by 16" pattern of its integer arguments): a served workload would
+# otherwise meet new patterns minutes after start-up and stall a step for the compile.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, ml_ptr, acc_ptr,
     scale, softcap, window, num_splits,
@@ -159,7 +162,7 @@ def _decode_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(ml_ptr, acc_ptr, out_ptr, num_splits, stride_ob, stride_oh,
                     HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     b = tl.program_id(0)
@@ -241,7 +244,7 @@ def decode_attention(
 # --- prefill ----------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "seq_offset", "stride_bt"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr,
     scale, softcap, window, seq_offset,
