@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import triton
 
+sys.path.insert(0, str(Path(__file__).parent))
+
 H, INTER, V = 3584, 18944, 152064
 
 
@@ -53,25 +55,19 @@ def graph_seconds(calls, reps: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = graph_seconds([lambda: b.copy_(a)] * 10)
-    return 2 * n / t
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", nargs="+", default=["gate_up", "gate_up_unfused", "down"])
     ap.add_argument("--quick", action="store_true", help="a few configurations (a dry run)")
     args = ap.parse_args()
+    import gpu_bench as gb
+
     from tianxia.layers.attention import triton_ops as to
 
     dt = torch.bfloat16
     dev = "cuda"
-    bw = copy_bandwidth()
+    bw = gb.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     x = torch.randn(1, H, device=dev, dtype=dt)
     r = torch.randn(1, H, device=dev, dtype=dt)
@@ -96,14 +92,9 @@ def main() -> int:
         ncalls = copies * max(1, 20 // copies)
         rows = []
 
-        def cublas(w, kind=kind, xin=xin):
-            if kind == "silu":
-                return lambda: to.silu_mul(torch.nn.functional.linear(to.add_rmsnorm(x, r, nw, 1e-6)[0], w))
-            if kind == "norm":
-                return lambda: torch.nn.functional.linear(to.add_rmsnorm(x, r, nw, 1e-6)[0], w)
-            return lambda: torch.nn.functional.linear(xin, w)
-
-        t = graph_seconds([cublas(ws[i % copies]) for i in range(ncalls)])
+        op_kind = {"silu": "gu", "norm": "lm", "plain": "plain"}[kind]  # gpu_bench's names
+        t = graph_seconds([gb._op_pair(op_kind, [ws[i % copies]], None, x, r, nw, xin)[1]
+                           for i in range(ncalls)])
         rows.append({"config": "cublas", "us": t * 1e6, "TBs": nbytes / t / 1e12})
         for bn, bk, nwp, ns in itertools.product(bns, bks, warps, stages):
             if not 4096 <= bn * bk <= 16384 or bk > triton.next_power_of_2(K):

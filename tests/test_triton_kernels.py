@@ -453,18 +453,20 @@ def test_fused_decoder_quantized_weights(method):
 
 @pytest.mark.parametrize("K", [80, 2500])  # one block with a masked tail; several blocks
 def test_quantize_rows_fp8_matches_eager(K):
-    """The one-launch activation quantizer of the FP8 products equals the eager formula."""
+    """The one-launch activation quantizer of the FP8 products equals the eager formula (the
+    CPU branch of ``channelwise._quantize_tokens_fp8``)."""
+    from tianxia.quant.channelwise import _quantize_tokens_fp8
+
     g = torch.Generator().manual_seed(7)
-    x = (torch.randn(5, K, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]).to(DEV)
-    q, s = to.quantize_rows_fp8(x)
-    ref_s = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 448.0
-    ref_q = (x.float() / ref_s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
-    got, want = q.float(), ref_q.float()
+    x = torch.randn(5, K, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
+    q, s = to.quantize_rows_fp8(x.to(DEV))
+    ref_q, ref_s = _quantize_tokens_fp8(x)
+    torch.testing.assert_close(s.cpu(), ref_s, rtol=0, atol=0)
+    got, want = q.float().cpu(), ref_q.float()
     if not CUDA:
         # the interpreter's float8 conversion drops the carry of a round-up into the next binade
         # (127.9 -> 64 where it should be 128); the GPU's conversion rounds correctly
-        y = (x.float() / ref_s).clamp(-448.0, 448.0)
+        y = (x / ref_s).clamp(-448.0, 448.0)
         carry = (want.abs() > y.abs()) & (torch.frexp(want)[0].abs() == 0.5)
         got, want = got[~carry], want[~carry]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
