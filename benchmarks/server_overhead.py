@@ -65,8 +65,7 @@ async def load(port: int, n: int, stream: bool) -> dict:
                 chunks += line.startswith("data: {")
         return chunks
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n + 8)) as c:
-        await asyncio.gather(*[one(c, p) for p in prompts[:8]])
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as c:
         t = time.perf_counter()
         counts = await asyncio.gather(*[one(c, p) for p in prompts])
         dt = time.perf_counter() - t
@@ -75,13 +74,12 @@ async def load(port: int, n: int, stream: bool) -> dict:
 
 def step_histogram(port: int) -> dict[str, float]:
     """Cumulative counts of steps by tokens scheduled (``vllm:iteration_tokens_total``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:iteration_tokens_total_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            out[le] = float(line.rsplit(" ", 1)[1])
-    return out
+    return {sample.labels["le"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "vllm:iteration_tokens_total_bucket"}
 
 
 def main() -> int:
@@ -105,6 +103,7 @@ def main() -> int:
            "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--served-model-name", "m",
            "--disable-log-stats", "--disable-access-log"]
     with server(cmd, port, root / "server.log"):
+        asyncio.run(load(port, 8, stream=False))  # warm-up, before the step counts are taken
         before = step_histogram(port)
         res["served"] = asyncio.run(load(port, args.requests, stream=False))
         res["served_steps_by_tokens"] = {k: v - before.get(k, 0.0) for k, v in step_histogram(port).items()}
