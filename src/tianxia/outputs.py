@@ -26,6 +26,8 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # leading characters of ``text`` that can no longer change (a stream may send them); None: all
+    stable_len: int | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

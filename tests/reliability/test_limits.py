@@ -10,7 +10,7 @@ from reliability_helpers import API_KEY, assert_openai_error
 
 from tianxia.sampling_params import MAX_LOGPROBS, MAX_STOP, MAX_STOP_LEN
 from tianxia.server.api import DEFAULT_MAX_REQUEST_BYTES
-from tianxia.server.serving import MAX_N
+from tianxia.server.serving_base import MAX_N
 
 MAX_MODEL_LEN = 64  # the tiny server's --max-model-len
 

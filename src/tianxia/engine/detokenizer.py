@@ -71,9 +71,16 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.read_offset = len(self.ids)
 
+    def stable_len(self, finished: bool) -> int:
+        """How many leading characters of ``text`` can no longer change: all of them once the
+        sequence finished; while it runs, all but the tail that could begin a stop string."""
+        if finished or not self.stop:
+            return len(self.text)
+        return max(0, len(self.text) - self.stop_hold)
+
     def delta(self, finished: bool) -> str:
-        """Text not yet streamed; while running, the tail that could begin a stop string is held."""
-        end = len(self.text) if finished or not self.stop else max(self.streamed, len(self.text) - self.stop_hold)
+        """Text not yet streamed, up to :meth:`stable_len`."""
+        end = max(self.streamed, self.stable_len(finished))
         out = self.text[self.streamed : end]
         self.streamed = end
         return out

@@ -490,6 +490,7 @@ class LLMEngine:
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
+                stable_len=s.detok.stable_len(s.is_finished),
             )
             for s in seqs
         ]

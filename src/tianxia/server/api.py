@@ -6,12 +6,14 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tianxia import __version__
+from tianxia.engine.async_engine import AsyncLLMEngine
 from tianxia.server.errors import APIError, bad_request, install_handlers
 from tianxia.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tianxia.server.protocol import (
@@ -21,7 +23,11 @@ from tianxia.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from tianxia.server.serving import OpenAIServing
+from tianxia.server.serving_base import ServerState
+from tianxia.server.serving_chat import OpenAIServingChat
+from tianxia.server.serving_completions import OpenAIServingCompletion
+from tianxia.server.serving_models import ServingModels
+from tianxia.server.serving_tokenize import OpenAIServingTokenization
 
 _ENDPOINTS = {
     "/v1/completions",
@@ -181,8 +187,125 @@ def _json_body(*models: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+async def _json_object(raw: Request) -> dict[str, Any]:
+    try:
+        data = json.loads(await raw.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise bad_request("We could not parse the JSON body of your request.") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+@dataclass
+class Servings:
+    """One handler object per endpoint family, over one engine."""
+
+    engine: AsyncLLMEngine
+    state: ServerState
+    models: ServingModels
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
+
+
+def build_servings(
+    engine: AsyncLLMEngine,
+    served_model_names: list[str],
+    *,
+    chat_template: str | None = None,
+    metrics: ServerMetrics | None = None,
+    retry_after_s: int = 1,
+    tool_call_parser: str | None = "auto",
+) -> Servings:
+    state = ServerState(metrics=metrics, retry_after_s=retry_after_s)
+    models = ServingModels(engine.engine, served_model_names)
+
+    def make(cls):
+        return cls(
+            engine, models, state, chat_template=chat_template, tool_call_parser=tool_call_parser
+        )
+
+    return Servings(
+        engine,
+        state,
+        models,
+        make(OpenAIServingCompletion),
+        make(OpenAIServingChat),
+        make(OpenAIServingTokenization),
+    )
+
+
+def _probe_routes(servings: Servings, metrics: ServerMetrics) -> APIRouter:
+    """Health, version and metrics: what supervisors and scrapers call."""
+    router = APIRouter()
+    engine = servings.engine
+
+    @router.get("/health")
+    async def health() -> Response:
+        if servings.state.draining:
+            return APIError(
+                503, "The server is shutting down.", code="server_shutting_down"
+            ).response()
+        if not engine.is_running:
+            return APIError(
+                503, f"The engine is not running: {engine.errored!r}", code="engine_dead"
+            ).response()
+        return Response(status_code=200)
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _openai_routes(servings: Servings) -> APIRouter:
+    """OpenAI's ``/v1`` routes."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return servings.models.list_models()
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        return servings.models.retrieve(model_id)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await servings.completion.create(body, raw)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await servings.chat.create(body, raw)
+
+    return router
+
+
+def _tokenize_routes(servings: Servings) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize``."""
+    router = APIRouter()
+
+    @router.post(
+        "/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest)
+    )
+    async def tokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(servings.tokenization.tokenize(await _json_object(raw)))
+
+    @router.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> JSONResponse:
+        return JSONResponse(servings.tokenization.detokenize(await _json_object(raw)))
+
+    return router
+
+
 def build_app(
-    serving: OpenAIServing,
+    servings: Servings,
     *,
     metrics: ServerMetrics,
     api_key: str | None = None,
@@ -190,7 +313,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_auth: bool = False,
 ) -> FastAPI:
-    engine = serving.engine
+    engine = servings.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -203,7 +326,7 @@ def build_app(
     app = FastAPI(
         title="tianxia", version=__version__, lifespan=lifespan, root_path=root_path or ""
     )
-    app.state.serving = serving
+    app.state.servings = servings
     app.state.metrics = metrics
     install_handlers(app)
     app.add_middleware(
@@ -213,106 +336,8 @@ def build_app(
         max_body_bytes=max_request_bytes,
         metrics_require_auth=metrics_require_auth,
     )
-
-    def model_card(name: str) -> dict[str, Any]:
-        return {
-            "id": name,
-            "object": "model",
-            "created": serving.created,
-            "owned_by": "tianxia",
-            "root": str(serving.llm.model_path),
-            "parent": None,
-            "max_model_len": serving.max_model_len,
-        }
-
-    @app.get("/health")
-    async def health() -> Response:
-        if serving.draining:
-            return APIError(
-                503, "The server is shutting down.", code="server_shutting_down"
-            ).response()
-        if not engine.is_running:
-            return APIError(
-                503, f"The engine is not running: {engine.errored!r}", code="engine_dead"
-            ).response()
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in serving.model_names]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> dict[str, Any]:
-        if model_id not in serving.model_names:
-            raise APIError(
-                404,
-                f"The model `{model_id}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
-        return model_card(model_id)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await serving.create_completion(body, raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.create_chat_completion(body, raw)
-
-    async def json_object(raw: Request) -> dict[str, Any]:
-        try:
-            data = json.loads(await raw.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise bad_request("We could not parse the JSON body of your request.") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
-        return data
-
-    @app.post("/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
-    async def tokenize(raw: Request) -> JSONResponse:
-        data = await json_object(raw)
-        tok = serving.tokenizer
-        if "messages" in data:
-            req = TokenizeChatRequest.model_validate(data)
-            serving.check_model(req.model)
-            _, ids = serving.render_chat(
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-                tools=req.tools,
-                add_special_tokens=req.add_special_tokens,
-            )
-        else:
-            req = TokenizeCompletionRequest.model_validate(data)
-            serving.check_model(req.model)
-            ids = serving.encode(req.prompt, req.add_special_tokens, "prompt")
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": serving.max_model_len,
-                "tokens": ids,
-                "token_strs": strs,
-            }
-        )
-
-    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
-    async def detokenize(raw: Request) -> JSONResponse:
-        req = DetokenizeRequest.model_validate(await json_object(raw))
-        serving.check_model(req.model)
-        serving._check_ids(req.tokens, "tokens")
-        return JSONResponse({"prompt": serving.tokenizer.decode(req.tokens)})
-
+    app.include_router(_probe_routes(servings, metrics))
+    app.include_router(_openai_routes(servings))
+    app.include_router(_tokenize_routes(servings))
     app.state.started = time.time()
     return app

@@ -298,9 +298,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
 
     from tianxia.engine.async_engine import AsyncLLMEngine, build_off_main_thread
     from tianxia.engine.llm_engine import LLMEngine
-    from tianxia.server.api import build_app
+    from tianxia.server.api import build_app, build_servings
     from tianxia.server.metrics import ServerMetrics
-    from tianxia.server.serving import OpenAIServing
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -344,11 +343,11 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         cache_info,
     )
     async_engine.listener = metrics
-    serving = OpenAIServing(
+    servings = build_servings(
         async_engine, names, metrics=metrics, tool_call_parser=args.tool_call_parser
     )
     app = build_app(
-        serving,
+        servings,
         metrics=metrics,
         api_key=api_key,
         root_path=args.root_path,
@@ -369,7 +368,7 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     server = _graceful_server_class()(config)
 
     def on_signal() -> None:
-        serving.draining = True
+        servings.state.draining = True
         metrics.draining.set(1)
         loop = async_engine.loop
         if loop is not None and not loop.is_closed():
