@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from reliability_helpers import API_KEY, assert_openai_error
 
 from tianxia.sampling_params import SamplingParams
+from tianxia.server import protocol
 
 ANY_SCALAR = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
@@ -124,3 +125,66 @@ def test_hostile_raw_bodies(http, path):
                              "/detokenize"]))
 def test_random_bodies(http, body, path):
     check(http.post(path, content=body, headers={"Content-Type": "application/json"}))
+
+
+# --- every numeric field, at and past the bounds of the integers and floats a client can send ---
+
+EXTREMES = [2**63, -(2**63) - 1, 2**64, 10**30, 2**63 - 1, -(2**63), 2**31, -1, 0, 1.5, 1e308,
+            -1e308, 5e-324]
+SWEPT = {
+    "/v1/completions": (protocol.CompletionRequest, {"prompt": "hi", "max_tokens": 1}),
+    "/v1/chat/completions": (protocol.ChatCompletionRequest,
+                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    # no number belongs in /tokenize's fields: numbers where the text and flags go
+    "/tokenize": (protocol.TokenizeCompletionRequest, {"prompt": "hi"}),
+    "/detokenize": (protocol.DetokenizeRequest, {"tokens": [1]}),
+}
+
+
+def numeric_fields(model) -> dict[str, str]:
+    """The numeric fields of a request model, from its JSON schema: each name with how a number
+    goes in it (``value``, ``item`` of an array, ``entry`` of an object)."""
+
+    def kinds(node: dict | bool) -> set[str]:
+        if not isinstance(node, dict) or "$ref" in node:
+            return set()  # nested models carry no numbers a client sends
+        out: set[str] = set()
+        for alt in node.get("anyOf", [node]):
+            if alt.get("type") in ("integer", "number"):
+                out.add("value")
+            elif alt.get("type") == "array" and kinds(alt.get("items", {})) & {"value", "item"}:
+                out.add("item")
+            elif alt.get("type") == "object" and "value" in kinds(alt.get("additionalProperties")
+                                                                  or {}):
+                out.add("entry")
+        return out
+
+    found = {}
+    for field, node in model.model_json_schema()["properties"].items():
+        k = kinds(node)
+        if k:
+            found[field] = sorted(k)[-1]  # value before item before entry: the simplest to send
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(SWEPT))
+def test_numeric_fields_out_of_range_are_4xx_naming_the_field(http, path):
+    model, base = SWEPT[path]
+    fields = numeric_fields(model) or {f: "value" for f in ("prompt", "add_special_tokens")}
+    # the sweep must reach the fields the issue names; a schema change that hid them fails here
+    assert path.endswith("tokenize") or {"top_k", "seed", "n", "max_tokens",
+                                                     "temperature"} <= set(fields)
+    statuses: dict[int, int] = {}
+    for field, how in fields.items():
+        for value in EXTREMES:
+            sent = {"value": value, "item": [value], "entry": {"5": value}}[how]
+            body = {**base, field: sent}
+            r = http.post(path, json=body)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            where = f"{path} {field}={str(sent)[:40]}"
+            assert r.status_code < 500, f"{where}: {r.status_code} {r.text[:300]}"
+            if r.status_code >= 400:
+                err = assert_openai_error(r)
+                assert (err["param"] or "").startswith(field), f"{where}: {err}"
+    print(f"{path}: {len(fields)} numeric fields, statuses {statuses}")
+    assert http.get("/health").status_code == 200

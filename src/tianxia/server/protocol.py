@@ -1,15 +1,21 @@
 """Request bodies of the OpenAI-compatible API, with OpenAI's field names plus vLLM's extras.
 
 Unknown fields are ignored (as OpenAI does); a field of the wrong type is a 400 in OpenAI's error
-shape (see ``server/errors.py``). Ranges are checked where the value is used (``SamplingParams``
-and the serving code), so the messages name the field the client sent.
+shape (see ``server/errors.py``). Every integer is bounded here to what a 64-bit signed integer
+holds (the torch tensors it may end up in; vLLM bounds ``seed`` the same way), so a larger one is
+a 400 naming the field rather than an overflow deeper in; the ranges that depend on the model or
+the field's meaning are checked where the value is used (``SamplingParams`` and the serving
+code), so the messages name the field the client sent.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Base(BaseModel):
@@ -37,10 +43,10 @@ class _SamplingFields(_Base):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int | None = 1
+    n: Int | None = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -49,17 +55,17 @@ class _SamplingFields(_Base):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int] | None = None
     # structured output: vLLM's object, its older guided_* fields, and OpenAI's response_format
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -70,11 +76,11 @@ class _SamplingFields(_Base):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
     add_special_tokens: bool | None = True
 
@@ -89,10 +95,10 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     # checked in ``server/tool_parsers.py``, so errors name the offending tool
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -127,7 +133,8 @@ class TokenizeChatRequest(_Base):
 
 class DetokenizeRequest(_Base):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
