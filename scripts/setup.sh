@@ -17,6 +17,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "${1:-}" = "test" ]; then
     "$PY" -m pip install -q -e ".[test]"
+    # SGLang's frontend (sgl.RuntimeEndpoint, its test programs) runs against tianxia serve in
+    # the tests; its server's dependencies (a CUDA torch among them) are not wanted here
+    if ! "$PY" -c "import sglang" >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-deps "sglang>=0.5"
+    fi
 else
     "$PY" -m pip install -q -e .
 fi

@@ -164,6 +164,12 @@ class BlockManager:
             and self.blocks[seq.block_table[-1]].ref_count > 1
         )
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks stay free); only while no sequence holds one."""
+        for block_id in self.free:
+            self.blocks[block_id].key = None
+        self.cached.clear()
+
     def _pop_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]

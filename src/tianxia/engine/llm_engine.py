@@ -347,6 +347,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's and SGLang's flush); False while requests run."""
+        if self.has_unfinished_requests():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # --- the step -----------------------------------------------------------------------------
 
     def _fail_request(self, request_id: str, failure: RequestFailure) -> None:
@@ -512,14 +519,22 @@ class LLMEngine:
 
         Runs through the same paged-attention path as generation, outside the scheduler.
         """
+        return self._prompt_pass("score", token_ids, self.runner.prompt_logits)
+
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 final hidden states [len, hidden_size] (after the model's last norm) at every
+        position of ``token_ids``, as :meth:`score` runs them: what ``/v1/embeddings`` pools."""
+        return self._prompt_pass("embed", token_ids, self.runner.prompt_hidden_states).float().cpu()
+
+    def _prompt_pass(self, what: str, token_ids: list[int], run) -> torch.Tensor:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
-        seq = Sequence("score", None, token_ids, SamplingParams(max_tokens=1))
+        seq = Sequence(what, None, token_ids, SamplingParams(max_tokens=1))
         if not self.block_manager.can_allocate(seq, len(seq)):
-            raise RuntimeError("not enough free KV blocks to score this sequence now")
+            raise RuntimeError(f"not enough free KV blocks to {what} this sequence now")
         self.block_manager.allocate(seq, len(seq))
         try:
-            return self.runner.prompt_logits(seq, self.scheduler.config.max_num_batched_tokens)
+            return run(seq, self.scheduler.config.max_num_batched_tokens)
         finally:
             self.block_manager.free_seq(seq)
 

@@ -264,13 +264,19 @@ class ModelRunner:
             ]
 
     @torch.inference_mode()
-    def prompt_logits(self, seq: Sequence, chunk: int) -> torch.Tensor:
-        """Logits at every position of an already-allocated sequence, computed in chunks."""
+    def prompt_hidden_states(self, seq: Sequence, chunk: int) -> torch.Tensor:
+        """The model's final hidden states (after its last norm) at every position of an
+        already-allocated sequence, computed in chunks: what embeddings pool."""
         rows = []
         while seq.num_computed_tokens < len(seq):
             n = min(chunk, len(seq) - seq.num_computed_tokens)
             _, ids, pos, meta = self._prepare([(seq, n)])
-            hidden = self.model(ids, pos, self.kv_caches, meta)
-            rows.append(self.model.compute_logits(hidden).cpu())
+            # a copy: a one-token chunk takes the fused decode step, whose buffers are reused
+            rows.append(self.model(ids, pos, self.kv_caches, meta).clone())
             seq.num_computed_tokens += n
         return torch.cat(rows)
+
+    @torch.inference_mode()
+    def prompt_logits(self, seq: Sequence, chunk: int) -> torch.Tensor:
+        """Logits at every position of an already-allocated sequence, computed in chunks."""
+        return self.model.compute_logits(self.prompt_hidden_states(seq, chunk)).cpu()

@@ -6,10 +6,11 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from tianxia import __version__
@@ -20,22 +21,31 @@ from tianxia.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from tianxia.server.serving_base import ServerState
 from tianxia.server.serving_chat import OpenAIServingChat
 from tianxia.server.serving_completions import OpenAIServingCompletion
+from tianxia.server.serving_embeddings import OpenAIServingEmbedding, PoolerConfig
 from tianxia.server.serving_models import ServingModels
+from tianxia.server.serving_native import GenerateRequest, SGLangServing
+from tianxia.server.serving_responses import OpenAIServingResponses
 from tianxia.server.serving_tokenize import OpenAIServingTokenization
 
 _ENDPOINTS = {
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/embeddings",
     "/v1/models",
+    "/generate",
     "/tokenize",
     "/detokenize",
     "/health",
+    "/ping",
     "/version",
     "/metrics",
 }
@@ -44,7 +54,7 @@ _ENDPOINTS = {
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 # routes that stay open when an API key is set (probes and version); /metrics is configurable
-_OPEN_PATHS = {"/health", "/version"}
+_OPEN_PATHS = {"/health", "/ping", "/version"}
 
 
 class _APIKeyAndStats:
@@ -198,6 +208,17 @@ async def _json_object(raw: Request) -> dict[str, Any]:
 
 
 @dataclass
+class CORSConfig:
+    """vLLM's ``--allowed-origins``, ``--allowed-credentials``, ``--allowed-methods`` and
+    ``--allowed-headers``; by default, as vLLM, any origin may call the API from a browser."""
+
+    origins: list[str] = field(default_factory=lambda: ["*"])
+    credentials: bool = False
+    methods: list[str] = field(default_factory=lambda: ["*"])
+    headers: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
 class Servings:
     """One handler object per endpoint family, over one engine."""
 
@@ -206,7 +227,10 @@ class Servings:
     models: ServingModels
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses
+    embedding: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
+    native: SGLangServing
 
 
 def build_servings(
@@ -217,6 +241,7 @@ def build_servings(
     metrics: ServerMetrics | None = None,
     retry_after_s: int = 1,
     tool_call_parser: str | None = "auto",
+    pooler: PoolerConfig | None = None,
 ) -> Servings:
     state = ServerState(metrics=metrics, retry_after_s=retry_after_s)
     models = ServingModels(engine.engine, served_model_names)
@@ -226,13 +251,18 @@ def build_servings(
             engine, models, state, chat_template=chat_template, tool_call_parser=tool_call_parser
         )
 
+    embedding = make(OpenAIServingEmbedding)
+    embedding.pooler = pooler or PoolerConfig()
     return Servings(
         engine,
         state,
         models,
         make(OpenAIServingCompletion),
         make(OpenAIServingChat),
+        make(OpenAIServingResponses),
+        embedding,
         make(OpenAIServingTokenization),
+        make(SGLangServing),
     )
 
 
@@ -242,6 +272,8 @@ def _probe_routes(servings: Servings, metrics: ServerMetrics) -> APIRouter:
     engine = servings.engine
 
     @router.get("/health")
+    @router.get("/ping")  # vLLM's alias, for load balancers that probe /ping
+    @router.post("/ping")
     async def health() -> Response:
         if servings.state.draining:
             return APIError(
@@ -284,6 +316,44 @@ def _openai_routes(servings: Servings) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await servings.chat.create(body, raw)
 
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await servings.responses.create_response(body, raw)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return servings.responses.retrieve(response_id)
+
+    @router.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        return await servings.embedding.create(body)
+
+    return router
+
+
+def _sglang_routes(servings: Servings) -> APIRouter:
+    """SGLang's native routes, for ``sgl.RuntimeEndpoint`` and SGLang's scripts."""
+    router = APIRouter()
+    native = servings.native
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, raw: Request) -> Response:
+        return await native.generate_native(body, raw)
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return native.model_info()
+
+    @router.get("/get_server_info")
+    @router.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return native.server_info()
+
+    @router.get("/flush_cache")
+    @router.post("/flush_cache")
+    async def flush_cache() -> Response:
+        return await native.flush_cache()
+
     return router
 
 
@@ -312,6 +382,7 @@ def build_app(
     root_path: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_auth: bool = False,
+    cors: CORSConfig | None = None,
 ) -> FastAPI:
     engine = servings.engine
 
@@ -336,8 +407,19 @@ def build_app(
         max_body_bytes=max_request_bytes,
         metrics_require_auth=metrics_require_auth,
     )
+    cors = cors or CORSConfig()
+    # outermost (added last), so that refusals (401, 413) carry the CORS headers too and a
+    # browser's preflight OPTIONS is answered before the key is checked
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors.origins,
+        allow_credentials=cors.credentials,
+        allow_methods=cors.methods,
+        allow_headers=cors.headers,
+    )
     app.include_router(_probe_routes(servings, metrics))
     app.include_router(_openai_routes(servings))
     app.include_router(_tokenize_routes(servings))
+    app.include_router(_sglang_routes(servings))
     app.state.started = time.time()
     return app

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -126,6 +127,13 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         help="accepted as in vLLM; tool_choice 'auto' is on whenever a tool-call parser is known",
     )
     p.add_argument(
+        "--pooler-config",
+        default=None,
+        metavar="JSON",
+        help='/v1/embeddings pooling, as vLLM: {"pooling_type": "LAST" or "MEAN", "normalize": '
+        "true or false} (default: LAST, normalized)",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -159,8 +167,48 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     )
     p.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     p.add_argument("--root-path", default=None, help="ASGI root_path, behind a path-based proxy")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "headers")):
+        p.add_argument(
+            f"--allowed-{name}",
+            nargs="+",
+            type=_name_list,
+            default=None,
+            metavar=name.upper()[:-1],
+            help=f"CORS: {what} a browser may use (names, comma-separated or a JSON list; "
+            "default: *)",
+        )
+    p.add_argument(
+        "--allowed-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
     p.add_argument(
         "--log-level", default="info", help="debug, info, warning, error (default: %(default)s)"
+    )
+
+
+def _name_list(value: str) -> list[str]:
+    """``a,b``, ``a`` or vLLM's JSON spelling ``["a", "b"]``."""
+    if value.lstrip().startswith("["):
+        try:
+            names = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return names
+    return [n.strip() for n in value.split(",") if n.strip()]
+
+
+def _cors(args: argparse.Namespace):
+    from tianxia.server.api import CORSConfig
+
+    def flat(values: list[list[str]] | None) -> list[str]:
+        return ["*"] if values is None else [n for names in values for n in names]
+
+    return CORSConfig(
+        flat(args.allowed_origins),
+        args.allowed_credentials,
+        flat(args.allowed_methods),
+        flat(args.allowed_headers),
     )
 
 
@@ -300,6 +348,7 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     from tianxia.engine.llm_engine import LLMEngine
     from tianxia.server.api import build_app, build_servings
     from tianxia.server.metrics import ServerMetrics
+    from tianxia.server.serving_embeddings import PoolerConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -316,6 +365,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     max_request_bytes = parse_size(args.max_request_bytes)
     if max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
+
+    pooler = PoolerConfig.parse(args.pooler_config)
 
     import prometheus_client
 
@@ -344,7 +395,11 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     )
     async_engine.listener = metrics
     servings = build_servings(
-        async_engine, names, metrics=metrics, tool_call_parser=args.tool_call_parser
+        async_engine,
+        names,
+        metrics=metrics,
+        tool_call_parser=args.tool_call_parser,
+        pooler=pooler,
     )
     app = build_app(
         servings,
@@ -353,6 +408,7 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         root_path=args.root_path,
         max_request_bytes=max_request_bytes,
         metrics_require_auth=args.metrics_require_auth,
+        cors=_cors(args),
     )
 
     config = uvicorn.Config(

@@ -138,3 +138,34 @@ class DetokenizeRequest(_Base):
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
+
+class EmbeddingRequest(_Base):
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: str = "float"
+    dimensions: Int | None = None
+    user: str | None = None
+    # vLLM's extras
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+
+class ResponsesRequest(_Base):
+    """OpenAI's Responses API (``POST /v1/responses``): the fields tianxia serves."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None

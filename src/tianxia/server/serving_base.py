@@ -231,6 +231,8 @@ class Prepared:
     continuous_usage: bool
     tools: ToolChoice | None = None
     error_param: str = "prompt"  # the field named by an error raised when the request is added
+    echo_text: str = ""  # chat ``echo``: the last message's content, sent before the reply
+    prompt_logprobs_start: int | None = None  # prompt logprobs only from this position on
 
 
 @dataclass
@@ -525,6 +527,8 @@ class OpenAIServing:
                 prompt = {"prompt_token_ids": ids}
                 if text is not None:
                     prompt["prompt"] = text
+                if prep.prompt_logprobs_start:
+                    prompt["prompt_logprobs_start"] = prep.prompt_logprobs_start
                 q = await self.engine.add_request(sub, prompt, params)
                 added.append((sub, q))
         except BaseException as e:
@@ -582,6 +586,9 @@ class OpenAIServing:
 
         tasks = [asyncio.ensure_future(one(rid, q)) for rid, q in queues]
         gathered = asyncio.gather(*tasks)
+        # once the client is gone the tasks are cancelled and nobody awaits the gather: take its
+        # CancelledError here, or asyncio logs "exception was never retrieved" with a traceback
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
         disconnect = asyncio.ensure_future(_wait_disconnect(raw))
         try:
             done, _ = await asyncio.wait(

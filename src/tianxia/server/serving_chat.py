@@ -29,7 +29,7 @@ from tianxia.server.serving_base import (
     random_id,
     sse,
 )
-from tianxia.server.tool_parsers import merge_tool_calls
+from tianxia.server.tool_parsers import coalesce_tool_deltas, merge_tool_calls
 from tianxia.structured import StructuredOutputsParams
 
 
@@ -87,7 +87,19 @@ class OpenAIServingChat(OpenAIServing):
             bool(opts and opts.continuous_usage_stats),
             tools=tools,
             error_param="tools" if schema is not None else "prompt",
+            echo_text=self._echo_text(req),
         )
+
+    def _echo_text(self, req: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the reply starts with the last message's content when that message
+        has the reply's role (an assistant message continued, or any role without a generation
+        prompt)."""
+        last = req.messages[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        if not req.echo or last.role != role:
+            return ""
+        content = self._messages([last])[0]["content"]
+        return content if isinstance(content, str) else ""
 
     # --- logprobs and messages ----------------------------------------------------------------
 
@@ -168,6 +180,8 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 }
             message, called = self.message(prep, c.text)
+            if prep.echo_text:
+                message["content"] = prep.echo_text + (message["content"] or "")
             choices.append(
                 {
                     "index": c.index,
@@ -203,18 +217,16 @@ class OpenAIServingChat(OpenAIServing):
         final: RequestOutput | None = None
 
         try:
-            # the assistant's role comes first, before any token is generated
-            yield head.chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
+            def every_choice(delta: dict[str, Any]) -> list[dict[str, Any]]:
+                return [
+                    {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     for i in range(prep.n)
                 ]
-            )
+
+            # the assistant's role comes first, before any token is generated
+            yield head.chunk(every_choice({"role": "assistant", "content": ""}))
+            if prep.echo_text:
+                yield head.chunk(every_choice({"content": prep.echo_text}))
             async for batch in self.merged_outputs(merged, len(tasks)):
                 for _, out in batch:
                     final = out
@@ -236,7 +248,7 @@ class OpenAIServingChat(OpenAIServing):
                             st.called = st.called or bool(calls)
                             message = {"content": parsed.content} if parsed.content else {}
                             if calls:
-                                message["tool_calls"] = calls
+                                message["tool_calls"] = coalesce_tool_deltas(calls)
                         logprobs = None
                         if prep.num_logprobs is not None and t1 > t0:
                             logprobs = {

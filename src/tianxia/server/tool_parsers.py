@@ -669,16 +669,38 @@ def make_parser(choice: ToolChoice, parser_name: str | None) -> ToolParser | Non
     return None
 
 
+def coalesce_tool_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One delta per call ``index``, in order of first appearance: a call's opening delta (id and
+    name) and its first fragment of arguments become one. OpenAI and vLLM send at most one delta
+    per index in a chunk, and clients that read ``delta.tool_calls[0]`` lose the others."""
+    out: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        cur = out.get(d["index"])
+        if cur is None:
+            out[d["index"]] = {**d, "function": dict(d.get("function", {}))}
+            continue
+        fn = d.get("function", {})
+        for key in ("id", "type"):
+            if key in d:
+                cur.setdefault(key, d[key])
+        if "name" in fn:
+            cur["function"].setdefault("name", fn["name"])
+        if "arguments" in fn:
+            cur["function"]["arguments"] = cur["function"].get("arguments", "") + fn["arguments"]
+    return list(out.values())
+
+
 def merge_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Streamed tool-call deltas, joined into complete calls."""
-    calls: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        call = calls.get(d["index"])
-        if call is None:
-            call = calls[d["index"]] = {
-                "id": d.get("id") or new_call_id(),
-                "type": "function",
-                "function": {"name": d.get("function", {}).get("name", ""), "arguments": ""},
-            }
-        call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
-    return [calls[i] for i in sorted(calls)]
+    calls = sorted(coalesce_tool_deltas(deltas), key=lambda d: d["index"])
+    return [
+        {
+            "id": d.get("id") or new_call_id(),
+            "type": "function",
+            "function": {
+                "name": d["function"].get("name", ""),
+                "arguments": d["function"].get("arguments", ""),
+            },
+        }
+        for d in calls
+    ]

@@ -1,0 +1,53 @@
+"""Run SGLang's own frontend test programs against a server: ``python sglang_programs.py URL KEY``.
+
+A script, run in a process of its own: importing ``sglang`` patches ``transformers`` and sets
+cache variables for the whole process, which the rest of the test session must not see. Prints
+one JSON object: each program's outcome (``ok``, ``assertion: ...`` or ``error: ...``), then the
+checks of the RuntimeEndpoint routes and of the ``sgl.OpenAI`` backend.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import sglang as sgl
+from sglang.test import test_programs as programs
+
+ARGS = {"test_select": (False,), "test_expert_answer": (False,),
+        "test_parallel_encoding": (False,)}
+
+
+def main(url: str, key: str, names: list[str]) -> None:
+    out: dict[str, object] = {"programs": {}, "found": sorted(
+        n for n in dir(programs) if n.startswith("test_"))}
+    backend = sgl.RuntimeEndpoint(url, api_key=key)
+    sgl.set_default_backend(backend)
+    for name in names:
+        try:
+            getattr(programs, name)(*ARGS.get(name, ()))
+            out["programs"][name] = "ok"
+        except AssertionError as e:
+            out["programs"][name] = f"assertion: {str(e)[:300]}"
+        except Exception:  # noqa: BLE001 - reported to the test
+            out["programs"][name] = "error: " + traceback.format_exc()[-1500:]
+    out["model_name"] = backend.get_model_name()
+    out["server_info"] = backend.get_server_info()
+    backend.flush_cache()
+
+    openai_backend = sgl.OpenAI(out["model_name"], base_url=url + "/v1", api_key=key)
+
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=8, temperature=0))
+
+    state = qa.run(question="What is the capital of France?", backend=openai_backend)
+    out["openai"] = {"answer": state["answer"],
+                     "prompt_tokens": openai_backend.token_usage.prompt_tokens}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
