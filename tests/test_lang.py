@@ -306,3 +306,27 @@ def test_openai_backend_against_a_real_server(server, runtime):
     assert state.error() is None and state["a"] == chat.run(backend=runtime)["a"]
     backend.shutdown()
     chat_backend.shutdown()
+
+
+def test_text_async_iter_and_token_usage(runtime, endpoint):
+    import asyncio
+
+    @sgl.function
+    def qa(s):
+        s += FEWSHOT + "Q: Which city is the capital of Italy?\nA:"
+        s += sgl.gen("answer", max_tokens=4, stop="\n", temperature=0)
+
+    for backend in (runtime, endpoint):
+        backend.token_usage.reset()
+        state = qa.run(backend=backend, stream=True)
+
+        async def collect(state=state):
+            return [chunk async for chunk in state.text_async_iter("answer", return_meta_data=True)]
+
+        chunks = asyncio.run(collect())
+        assert "".join(text for text, _ in chunks) == state["answer"]
+        assert all(isinstance(meta, dict) for _, meta in chunks)
+        # one gen: the usage of that call, read from the stream's last chunk
+        meta = state.get_meta_info("answer")
+        assert backend.token_usage.prompt_tokens == meta["prompt_tokens"] > 0
+        assert backend.token_usage.completion_tokens == meta["completion_tokens"] > 0

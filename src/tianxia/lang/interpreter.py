@@ -10,12 +10,13 @@ finds the earlier calls' KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -282,16 +283,18 @@ class StreamExecutor:
             self.text_ += comp
             self.variables[name] = comp
             self.meta_info[name] = meta
+            self.backend.token_usage.add(meta)
             self.variable_event[name].set()
             return
         self.variables[name] = ""
         self.stream_var_event[name].set()
         for delta, meta in self.backend.generate_stream(self, params):
+            self.meta_info[name] = meta  # first: a reader that sees the text finds its meta info
             self.text_ += delta
             self.variables[name] += delta
-            self.meta_info[name] = meta
             self.stream_var_event[name].set()
             self.stream_text_event.set()
+        self.backend.token_usage.add(self.meta_info.get(name) or {})
         self.variable_event[name].set()
         self.stream_var_event[name].set()
 
@@ -441,6 +444,25 @@ class ProgramState:
                 yield out
             if done or ex.error_ is not None:
                 break
+
+    async def text_async_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> AsyncIterator[Any]:
+        """:meth:`text_iter` for asyncio code (SGLang's): the waiting happens in a worker thread,
+        so the event loop runs on. With ``return_meta_data``, ``(text, meta_info)`` pairs, the
+        meta info of ``var_name`` as it was when the text was read."""
+        loop = asyncio.get_running_loop()
+        chunks = self.text_iter(var_name)
+        done = object()
+        while True:
+            chunk = await loop.run_in_executor(None, next, chunks, done)
+            if chunk is done:
+                return
+            if return_meta_data:
+                meta = self.stream_executor.meta_info.get(var_name) if var_name else None
+                yield chunk, meta
+            else:
+                yield chunk
 
     def __iadd__(self, other: Any) -> Self:
         if other is None:

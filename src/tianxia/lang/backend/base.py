@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tianxia.lang.chat_template import DEFAULT, ChatTemplate
@@ -11,9 +12,30 @@ from tianxia.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from tianxia.lang.ir import SglSamplingParams
 
 
+@dataclass
+class TokenUsage:
+    """Tokens a backend's calls used (SGLang's ``backend.token_usage``), summed over its gens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, meta: dict[str, Any]) -> None:
+        with self._lock:  # the states of a batch or of forks finish on their own threads
+            self.prompt_tokens += meta.get("prompt_tokens") or 0
+            self.completion_tokens += meta.get("completion_tokens") or 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+
 class BaseBackend:
     is_chat_model = False
     support_concate_and_append = False
+
+    def __init__(self) -> None:
+        self.token_usage = TokenUsage()
 
     def get_chat_template(self) -> ChatTemplate:
         return DEFAULT

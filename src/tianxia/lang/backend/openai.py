@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from tianxia.lang.backend.base import BaseBackend
-from tianxia.lang.backend.runtime_endpoint import HTTPBackendError, check, sse_events
+from tianxia.lang.backend.runtime_endpoint import HTTPBackendError, check, sse_events, usage_meta
 from tianxia.lang.chat_template import ChatTemplate, get_chat_template
 from tianxia.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from tianxia.lang.ir import SglSamplingParams
@@ -57,6 +57,7 @@ class OpenAI(BaseBackend):
         extra_body: dict[str, Any] | None = None,
         http_client: httpx.Client | None = None,
     ) -> None:
+        super().__init__()
         self.model_name = model_name
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or _OFFICIAL).rstrip("/")
         api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
@@ -119,15 +120,20 @@ class OpenAI(BaseBackend):
     def generate_stream(self, s, sampling_params: SglSamplingParams) -> Iterator[tuple[str, dict[str, Any]]]:
         path, body = self._body(s, sampling_params)
         body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
         with self.client.stream("POST", path, json=body) as res:
             if res.status_code != 200:
                 res.read()
                 check(res)
+            meta: dict[str, Any] = {}
             for event in sse_events(res):
                 for choice in event.get("choices") or []:
                     delta = (choice.get("delta") or {}).get("content") if self.is_chat_model else choice.get("text")
+                    meta = self._meta(event, choice)
                     if delta:
-                        yield delta, self._meta(event, choice)
+                        yield delta, meta
+                if not event.get("choices") and event.get("usage"):
+                    yield "", {**meta, **usage_meta(event)}  # the final usage chunk
 
     def select(
         self, s, choices: list[str], temperature: float, choices_method: ChoicesSamplingMethod

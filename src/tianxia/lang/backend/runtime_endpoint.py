@@ -49,6 +49,13 @@ def sse_events(res: httpx.Response) -> Iterator[dict[str, Any]]:
         yield event
 
 
+def usage_meta(event: dict[str, Any]) -> dict[str, Any]:
+    """The token counts of a stream's final usage chunk, in a gen's meta info."""
+    usage = event.get("usage") or {}
+    return {"prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens")}
+
+
 class RuntimeEndpoint(TokenStateBackend):
     """``RuntimeEndpoint("http://127.0.0.1:8000", api_key=None)``."""
 
@@ -143,10 +150,14 @@ class RuntimeEndpoint(TokenStateBackend):
             if res.status_code != 200:
                 res.read()
                 check(res)
+            meta: dict[str, Any] = {}
             for event in sse_events(res):
                 for choice in event.get("choices") or []:
+                    meta = self._meta(event, choice)
                     if choice.get("text"):
-                        yield choice["text"], self._meta(event, choice)
+                        yield choice["text"], meta
+                if not event.get("choices") and event.get("usage"):
+                    yield "", {**meta, **usage_meta(event)}  # the final usage chunk
         self.remember(s, text, ids)
 
     def select(

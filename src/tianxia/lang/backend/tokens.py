@@ -24,6 +24,7 @@ class TokenStateBackend(BaseBackend):
     bos_token_id: int | None = None
 
     def __init__(self) -> None:
+        super().__init__()
         self._tok_lock = threading.Lock()
 
     # subclasses: the model's tokenizer
