@@ -724,3 +724,29 @@ def test_16_concurrent_streams_share_steps(server, http):
     )
     # the 16 requests decoded together: most of their steps ran more than 8 sequences at once
     assert big_after - big_before >= max_tokens // 2
+
+
+# --- tianxia bench serve as a vLLM user runs it ---------------------------------------------
+
+
+def test_bench_serve_with_vllms_flags_and_openai_api_key(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tianxia.cli", "bench", "serve", "--backend", "openai-chat",
+           "--endpoint", "/v1/chat/completions", "--base-url", server.url, "--model", MODEL,
+           "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "3",
+           "--num-prompts", "3", "--max-concurrency", "3", "--disable-tqdm", "--save-result",
+           "--result-dir", str(tmp_path), "--result-filename", "run.json"]
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY}
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert result["summary"]["completed"] == 3 and result["config"]["endpoint"] == "chat"
+    assert all(r["expected_output_tokens"] == 3 for r in result["requests"])
+    # every request refused (a wrong key): the table still prints, the exit status is 1
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**env, "OPENAI_API_KEY": "wrong"})
+    assert bad.returncode == 1, bad.stdout[-1000:]
+    assert "no request succeeded (3 failed)" in bad.stderr and "HTTP 401" in bad.stderr

@@ -1,13 +1,27 @@
-"""``tianxia bench serve | sweep | compare``."""
+"""``tianxia bench serve | sweep | compare``.
+
+``vllm bench serve``'s flag names are accepted too (``--dataset-name random|sharegpt|
+prefix_repetition``, ``--random-input-len``, ``--random-output-len``, ``--random-range-ratio``,
+``--backend openai-chat``, ``--endpoint /v1/chat/completions``, ``--host``/``--port``,
+``--save-result`` with ``--result-dir``, ...), and the key is read from ``$OPENAI_API_KEY`` as
+vLLM's benchmark does, so a vLLM user's command line runs unchanged.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
-from tianxia.bench.workloads import parse_len
+from tianxia.bench.workloads import LenSpec, parse_len
+
+# vLLM's dataset and endpoint names, and the workload or endpoint each one is here
+_DATASETS = {"random": "random", "prefix": "prefix", "prefix_repetition": "prefix",
+             "file": "file", "sharegpt": "file", "custom": "file"}
+_ENDPOINTS = {"completions": "completions", "/v1/completions": "completions",
+              "chat": "chat", "/v1/chat/completions": "chat"}
 
 _DUR_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?\s*$")
 
@@ -58,24 +72,44 @@ def _num_list(text: str) -> list[float]:
 
 def _add_target_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="server root or .../v1 (default: %(default)s)")
-    g.add_argument("--model", required=True, help="model name sent in requests")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="/v1/completions or /v1/chat/completions (default: %(default)s)")
-    g.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    g.add_argument("--base-url", default=None,
+                   help="server root or .../v1 (default: http://HOST:PORT)")
+    g.add_argument("--host", default="127.0.0.1", help="server host without --base-url")
+    g.add_argument("--port", type=int, default=8000, help="server port without --base-url")
+    g.add_argument("--model", required=True,
+                   help="model name sent in requests (and the tokenizer, if it resolves)")
+    g.add_argument("--served-model-name", default=None,
+                   help="name sent in requests instead of --model (vLLM's)")
+    g.add_argument("--endpoint", choices=sorted(_ENDPOINTS), default="completions",
+                   help="completions or chat, or vLLM's paths /v1/completions and "
+                        "/v1/chat/completions (default: %(default)s)")
+    g.add_argument("--backend", default=None,
+                   help="vLLM's backend name: openai-chat means --endpoint chat; openai, vllm "
+                        "and the others completions")
+    g.add_argument("--api-key", default=None,
+                   help="sent as a Bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--label", default=None, help="name of this engine/run in tables and plots")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", "--dataset-name", dest="workload",
-                   choices=("random", "prefix", "file"), default="random")
-    w.add_argument("--input-len", type=_len, default=parse_len(128),
+                   choices=sorted(_DATASETS), default="random",
+                   help="random, prefix or file; vLLM's names: prefix_repetition is prefix, "
+                        "sharegpt and custom are file (default: %(default)s)")
+    w.add_argument("--input-len", "--random-input-len", "--prefix-repetition-suffix-len",
+                   dest="input_len", type=_len, default=parse_len(128),
                    help="prompt tokens, N or LO:HI (random); suffix tokens (prefix). Default 128")
-    w.add_argument("--output-len", type=_len, default=None,
+    w.add_argument("--output-len", "--random-output-len", "--sharegpt-output-len",
+                   "--prefix-repetition-output-len", dest="output_len", type=_len, default=None,
                    help="tokens to generate, N or LO:HI (default 64; file: the reference replies)")
-    w.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (prefix)")
-    w.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (prefix)")
+    w.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="vLLM's: lengths drawn from [N*(1-r), N*(1+r)] (default 0)")
+    w.add_argument("--prefix-len", "--prefix-repetition-prefix-len", "--random-prefix-len",
+                   dest="prefix_len", type=int, default=None,
+                   help="shared prefix tokens (prefix; default 256); with the random workload, "
+                        "vLLM's --random-prefix-len makes it a prefix workload")
+    w.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes",
+                   type=int, default=1, help="distinct shared prefixes (prefix)")
     w.add_argument("--dataset", "--dataset-path", dest="dataset", default=None,
                    help="JSON/JSONL prompts or ShareGPT conversations (file)")
     w.add_argument("--max-input-len", type=int, default=None, help="skip longer file prompts")
@@ -106,11 +140,19 @@ def _add_target_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                         ">1 smoother, inf = constant")
     a.add_argument("--warmup", type=int, default=1, help="uncounted warm-up requests first")
 
+    w.add_argument("--ignore-eos", action="store_true", default=True,
+                   help="send ignore_eos/min_tokens for exact output lengths (the default)")
+
     o = p.add_argument_group("output")
-    o.add_argument("--save-result", default=None, metavar="OUT.json", help="write the result JSON")
+    o.add_argument("--save-result", nargs="?", const="", default=None, metavar="OUT.json",
+                   help="write the result JSON (without a path, as vLLM: into --result-dir, "
+                        "named by --result-filename or by label, load and model)")
+    o.add_argument("--result-dir", default=None, help="folder of --save-result (vLLM's)")
+    o.add_argument("--result-filename", default=None, help="file name of --save-result (vLLM's)")
     o.add_argument("--save-text", action="store_true", help="keep generated text in the result")
     o.add_argument("--plot", default=None, metavar="OUT.png", help="write plots")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                   help="no progress bar")
 
     s = p.add_argument_group("SLO (goodput; sweep: best load whose p99s meet all)")
     for key, help_ in (("ttft", "time to first token"), ("tpot", "time per output token"),
@@ -163,8 +205,65 @@ def _slo(args) -> dict[str, float]:
             if (v := getattr(args, f"slo_{k}_p99", None)) is not None}
 
 
+def _vllm_names(args) -> None:
+    """vLLM's spellings to this command's arguments (in place)."""
+    args.workload = _DATASETS[args.workload]
+    if args.backend is not None:
+        args.endpoint = "chat" if args.backend == "openai-chat" else "completions"
+    args.endpoint = _ENDPOINTS[args.endpoint]
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY") or None
+    if args.workload == "random" and args.prefix_len:
+        args.workload = "prefix"  # vLLM's --random-prefix-len: a fixed prefix before each prompt
+    if args.prefix_len is None:
+        args.prefix_len = 256
+    r = args.random_range_ratio
+    if not 0.0 <= r < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {r}")
+    if r:
+        def widen(spec: LenSpec | None) -> LenSpec | None:
+            if spec is None or spec.lo != spec.hi:
+                return spec
+            return LenSpec(max(1, math.floor(spec.lo * (1 - r))), math.ceil(spec.lo * (1 + r)))
+
+        args.input_len, args.output_len = widen(args.input_len), widen(args.output_len)
+
+
+def _result_path(args, load: str) -> str | None:
+    """Where ``--save-result`` writes: its path, or vLLM's folder and file naming."""
+    if args.save_result is None:
+        return None
+    if args.save_result:
+        return args.save_result
+    import datetime
+    from pathlib import Path
+
+    name = args.result_filename
+    if not name:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        model = (args.served_model_name or args.model).replace("/", "_")
+        name = f"{args.label or 'tianxia-bench'}-{load}-{model}-{stamp}.json"
+    return str(Path(args.result_dir or ".") / name)
+
+
+def _no_success(results: list[dict]) -> str | None:
+    """A message when not one request of a run succeeded (with the first error), else None."""
+    summaries = [r["summary"] for r in results]
+    if any(s["completed"] for s in summaries):
+        return None
+    failed = sum(s["failed"] for s in summaries)
+    errors = [q.get("error") for r in results for q in r.get("requests", ()) if q.get("error")]
+    errors += [e for s in summaries for e in s.get("errors", {})]  # a sweep keeps counts only
+    first = errors[0] if errors else "unknown error"
+    return f"no request succeeded ({failed} failed); the first error: {first}"
+
+
 def _common(args, num_prompts: int):
     import json
+
+    _vllm_names(args)
 
     from tianxia.bench.runner import WorkloadConfig, build_workload, load_bench_tokenizer
     from tianxia.bench.serve import ClientConfig
@@ -187,7 +286,8 @@ def _common(args, num_prompts: int):
                          "--tokenizer (e.g. --tokenizer smollm2-135m or a .gguf path)")
     requests = build_workload(wl, tok, num_prompts, args.seed, args.endpoint)
     client = ClientConfig(
-        base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+        base_url=args.base_url, model=args.served_model_name or args.model,
+        endpoint=args.endpoint,
         request_rate=getattr(args, "request_rate", math.inf), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
         temperature=args.temperature, timeout_s=args.timeout, api_key=args.api_key,
@@ -207,12 +307,19 @@ def cmd_serve(args) -> int:
                        label=args.label, slo=_slo(args) or None,
                        progress=not args.no_progress, warmup=args.warmup)
     print(format_table(result))
-    if args.save_result:
-        print(f"result: {save_json(result, args.save_result)}", file=sys.stderr)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    out = _result_path(args, f"{rate}qps" + (f"-c{args.max_concurrency}"
+                                             if args.max_concurrency else ""))
+    if out:
+        print(f"result: {save_json(result, out)}", file=sys.stderr)
     if args.plot:
         from tianxia.bench.plot import plot_run
 
         print(f"plot: {plot_run(result, args.plot)}", file=sys.stderr)
+    failure = _no_success([result])
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -257,12 +364,17 @@ def cmd_sweep(args) -> int:
             print(f"\n{what} within the SLO: {sweep['best_load']} "
                   f"({b['request_throughput']:.2f} req/s, {b['output_throughput']:.1f} output tok/s, "
                   f"measured peak concurrency {b['peak_concurrency']})")
-    if args.save_result:
-        print(f"result: {save_json(sweep, args.save_result)}", file=sys.stderr)
+    out = _result_path(args, f"sweep-{kind}")
+    if out:
+        print(f"result: {save_json(sweep, out)}", file=sys.stderr)
     if args.plot:
         from tianxia.bench.plot import plot_sweep
 
         print(f"plot: {plot_sweep(sweep, args.plot)}", file=sys.stderr)
+    failure = _no_success(sweep["points"])
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
