@@ -311,6 +311,15 @@ class OpenAIServing:
         except (TypeError, UnicodeError):
             raise bad_request(f"{param} is not valid Unicode text", param=param) from None
 
+    @staticmethod
+    def prompt_items(p: Any) -> list[Any]:
+        """The items of a prompt field: a string, a list of strings, token ids, or lists of them."""
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
     def check_ids(self, ids: list[int], param: str) -> None:
         for t in ids:
             if not 0 <= t < self.vocab_size:

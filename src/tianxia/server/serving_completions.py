@@ -31,13 +31,7 @@ from tianxia.server.serving_base import (
 
 class OpenAIServingCompletion(OpenAIServing):
     def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        p = req.prompt
-        if isinstance(p, str):
-            raw: list[Any] = [p]
-        elif p and all(isinstance(x, int) for x in p):
-            raw = [list(p)]
-        else:
-            raw = list(p)
+        raw = self.prompt_items(req.prompt)
         if not raw:
             raise bad_request("prompt must not be empty", param="prompt")
         out = []

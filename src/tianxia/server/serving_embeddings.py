@@ -56,13 +56,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     pooler = PoolerConfig()
 
     def _inputs(self, req: EmbeddingRequest) -> list[list[int]]:
-        x = req.input
-        if isinstance(x, str):
-            items: list[Any] = [x]
-        elif x and all(isinstance(t, int) for t in x):
-            items = [list(x)]
-        else:
-            items = list(x)
+        items = self.prompt_items(req.input)
         if not items:
             raise bad_request("input must not be empty", param="input")
         out = []
