@@ -43,7 +43,9 @@ KNOWLEDGE = {"test_few_shot_qa", "test_decode_int", "test_tool_use", "test_react
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     srv = ServerProcess([MODEL, "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
-                         "--max-num-seqs", "16", "--seed", "0", "--api-key", KEY])
+                         "--max-num-seqs", "16", "--seed", "0", "--api-key", KEY,
+                         # the frontend's process shares the cores: one engine thread
+                         "--threads", "1"])
     srv.start()
     yield srv
     code = srv.stop()
@@ -54,7 +56,7 @@ def server(smollm2_path):
 def results(server) -> dict:
     script = Path(__file__).parent / "clients" / "sglang_programs.py"
     r = subprocess.run([sys.executable, str(script), server.url, KEY, ",".join(PROGRAMS)],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

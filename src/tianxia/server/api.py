@@ -31,7 +31,7 @@ from tianxia.server.serving_chat import OpenAIServingChat
 from tianxia.server.serving_completions import OpenAIServingCompletion
 from tianxia.server.serving_embeddings import OpenAIServingEmbedding, PoolerConfig
 from tianxia.server.serving_models import ServingModels
-from tianxia.server.serving_native import GenerateRequest, SGLangServing
+from tianxia.server.serving_native import ConcatenateRequest, GenerateRequest, SGLangServing
 from tianxia.server.serving_responses import OpenAIServingResponses
 from tianxia.server.serving_tokenize import OpenAIServingTokenization
 
@@ -353,6 +353,13 @@ def _sglang_routes(servings: Servings) -> APIRouter:
     @router.post("/flush_cache")
     async def flush_cache() -> Response:
         return await native.flush_cache()
+
+    @router.post("/concate_and_append_request")
+    async def concate_and_append(body: ConcatenateRequest) -> dict[str, Any]:
+        # the frontend's fork join ("concate_and_append"): it asks for the forks' KV caches to
+        # be joined into the parent's; here the next /generate sends the parent's whole text,
+        # and the prefix cache serves what it already holds, so there is nothing to join
+        return {"success": True, "dst_rid": body.dst_rid}
 
     return router
 

@@ -7,7 +7,8 @@ written for an SGLang server run against ``tianxia serve`` unchanged.
   whose ``text`` is cumulative and whose ``output_token_logprobs`` are the chunk's new ones, ending
   in ``data: [DONE]``. ``max_new_tokens: 0`` computes the prompt only (what the frontend sends to
   fill the prefix cache and to score ``select`` choices).
-- ``GET /get_model_info``, ``GET /get_server_info`` and ``/server_info``, ``POST /flush_cache``.
+- ``GET /get_model_info``, ``GET /get_server_info`` and ``/server_info``, ``POST /flush_cache``,
+  ``POST /concate_and_append_request`` (the frontend's fork join; nothing to do here).
 
 Logprob entries are SGLang's ``[logprob, token_id, text or None]``; the first prompt token has no
 logprob (``None``).
@@ -54,6 +55,11 @@ class GenerateRequest(_Base):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+
+
+class ConcatenateRequest(_Base):
+    src_rids: list[str]
+    dst_rid: str
 
 
 # SGLang's sampling parameter -> SamplingParams' (those with the same meaning)
