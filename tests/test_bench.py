@@ -220,18 +220,21 @@ def test_failures_are_counted_not_raised(server, tmp_path, capsys):
                 and 'status="404"' in k and "completions" in k), None)
     if key is not None:
         assert _delta(after, before, key) == 3
-    # nothing listening: connection errors, through the CLI, exit 0 with a result file and plot
+    # nothing listening: connection errors, through the CLI: the table, the result file and the
+    # plot are written, and since no request succeeded the exit status is 1 (vLLM's benchmark
+    # fails too), with the first error
     port = _free_port()
     out = tmp_path / "dead.json"
     rc = tianxia_main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL,
                        "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
                        "--no-progress", "--save-result", str(out), "--plot", str(tmp_path / "dead.png")])
-    assert rc == 0
+    assert rc == 1
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 0 and s["failed"] == 4
     assert sum(s["errors"].values()) == 4 and "Connect" in next(iter(s["errors"]))
-    stdout = capsys.readouterr().out
-    assert "Failed requests:" in stdout and "ConnectError" in stdout
+    captured = capsys.readouterr()
+    assert "Failed requests:" in captured.out and "ConnectError" in captured.out
+    assert "no request succeeded (4 failed); the first error: ConnectError" in captured.err
     assert (tmp_path / "dead.png").read_bytes()[:8] == PNG_MAGIC
 
 
