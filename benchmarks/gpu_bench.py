@@ -334,24 +334,25 @@ def _op_pair(kind, ws, b, x, r, nw, xin):
     """(Triton, cuBLAS) callables of one projection, cycling through the weight copies."""
     import itertools
 
-    from tianxia.layers.attention import triton_ops as to
+    from tianxia.layers import triton_linear as tlin
+    from tianxia.layers import triton_pointwise as tpw
 
     cycle = itertools.cycle(ws)
     linear = torch.nn.functional.linear
 
     def normed():
-        return to.add_rmsnorm(x, r, nw, 1e-6)[0]
+        return tpw.add_rmsnorm(x, r, nw, 1e-6)[0]
 
     if kind == "qkv":
-        return (lambda: to.gemv(x, next(cycle), b, residual=r, norm_weight=nw),
+        return (lambda: tlin.gemv(x, next(cycle), b, residual=r, norm_weight=nw),
                 lambda: linear(normed(), next(cycle), b))
     if kind == "gu":
-        return (lambda: to.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu_mul"),
-                lambda: to.silu_mul(linear(normed(), next(cycle))))
+        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu_mul"),
+                lambda: tpw.silu_mul(linear(normed(), next(cycle))))
     if kind == "lm":
-        return (lambda: to.gemv(x, next(cycle), residual=r, norm_weight=nw),
+        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw),
                 lambda: linear(normed(), next(cycle)))
-    return lambda: to.gemv(xin, next(cycle)), lambda: linear(xin, next(cycle))
+    return lambda: tlin.gemv(xin, next(cycle)), lambda: linear(xin, next(cycle))
 
 
 def section_ops(args):
@@ -360,7 +361,8 @@ def section_ops(args):
     import triton.testing
 
     from tianxia.layers.attention import triton_attention as ta
-    from tianxia.layers.attention import triton_ops as to
+    from tianxia.layers import triton_pointwise as tpw
+    from tianxia.layers.attention import triton_rope
 
     dt = torch.bfloat16
     dev = "cuda"
@@ -405,8 +407,8 @@ def section_ops(args):
     cs = torch.randn(4096, d, device=dev)
     pos = torch.tensor([100], device=dev)
     slot = torch.tensor([5], device=dev)
-    res["rope_write_kv B=1"] = {"us": bench(lambda: to.rope_write_kv(qkv, pos, cs, cache, slot, hq, hk, d)) * 1e6}
-    res["add_rmsnorm B=1"] = {"us": bench(lambda: to.add_rmsnorm(x, r, nw, 1e-6)) * 1e6}
+    res["rope_write_kv B=1"] = {"us": bench(lambda: triton_rope.rope_write_kv(qkv, pos, cs, cache, slot, hq, hk, d)) * 1e6}
+    res["add_rmsnorm B=1"] = {"us": bench(lambda: tpw.add_rmsnorm(x, r, nw, 1e-6)) * 1e6}
     res["empty graph-less launch (torch add)"] = {"us": bench(lambda: x.add(r)) * 1e6}
     RESULTS["ops"] = res
     for k, v in res.items():

@@ -314,7 +314,7 @@ def test_32k_context_memory_per_token(tmp_path, tiny_tokenizer_dir):
     assert rss() - before_rss < 256 << 20
 
 
-# --- the fused CPU decode step (models/cpu_decoder.py) against the layer-by-layer path -----------
+# --- the fused CPU decode step (models/llama_cpu_step.py) against the layer-by-layer path -----------
 
 LLAMA_STYLE = ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "mistral-swa"]
 

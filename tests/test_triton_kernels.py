@@ -41,7 +41,9 @@ if not CUDA:
 
 from tianxia.layers.attention import AttentionMetadata, get_backend
 from tianxia.layers.attention import triton_attention as ta
-from tianxia.layers.attention import triton_ops as to
+from tianxia.layers import triton_linear as tlin
+from tianxia.layers import triton_pointwise as tpw
+from tianxia.layers.attention import triton_rope
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.bfloat16]
@@ -201,11 +203,11 @@ def test_add_rmsnorm(dtype, with_residual):
     res = torch.randn(5, 48, device=DEV).to(dtype) if with_residual else None
     if res is None:
         ref = norm(x)
-        out, new_res = to.add_rmsnorm(x, None, norm.weight, 1e-6)
+        out, new_res = tpw.add_rmsnorm(x, None, norm.weight, 1e-6)
         assert new_res is x
     else:
         ref, ref_res = norm(x, res)
-        out, new_res = to.add_rmsnorm(x, res, norm.weight, 1e-6)
+        out, new_res = tpw.add_rmsnorm(x, res, norm.weight, 1e-6)
         torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
@@ -215,7 +217,7 @@ def test_silu_mul(dtype):
     from tianxia.layers.activation import SiluAndMul
 
     x = torch.randn(3, 2 * 40, device=DEV).to(dtype)
-    torch.testing.assert_close(to.silu_mul(x), SiluAndMul()(x), **_tol(dtype))
+    torch.testing.assert_close(tpw.silu_mul(x), SiluAndMul()(x), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,7 +232,7 @@ def test_rope_write_kv(dtype):
     pos = torch.tensor([0, 17, 200], device=DEV)
     slots = torch.tensor([3, -1, 40], device=DEV)
     cache = torch.zeros(2, nb, bs, hk, d, device=DEV, dtype=dtype)
-    q_out = to.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d)
+    q_out = triton_rope.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], -1)
     rq, rk = rope(pos, q.reshape(T, hq, d), k.reshape(T, hk, d))
     torch.testing.assert_close(q_out, rq, **_tol(dtype))
@@ -254,12 +256,12 @@ def test_gemv(dtype, mode):
     kw = dict(block_n=8, block_k=32)
     if mode in ("plain", "bias"):
         ref = torch.nn.functional.linear(x, w, b)
-        out = to.gemv(x, w, b, **kw)
+        out = tlin.gemv(x, w, b, **kw)
     elif mode == "silu":
         from tianxia.layers.activation import SiluAndMul
 
         ref = SiluAndMul()(torch.nn.functional.linear(x, w))
-        out = to.gemv(x, w, act="silu_mul", **kw)
+        out = tlin.gemv(x, w, act="silu_mul", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -268,10 +270,10 @@ def test_gemv(dtype, mode):
             norm.weight.copy_(nw)
         if mode == "norm":
             h, ref_res = norm(x), x
-            out, new_res = to.gemv(x, w, norm_weight=norm.weight, eps=1e-6, **kw)
+            out, new_res = tlin.gemv(x, w, norm_weight=norm.weight, eps=1e-6, **kw)
         else:
             h, ref_res = norm(x, res)
-            out, new_res = to.gemv(x, w, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
+            out, new_res = tlin.gemv(x, w, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
         ref = torch.nn.functional.linear(h, w)
         torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
@@ -391,11 +393,11 @@ def test_gemv_quantized_weight(method, mode):
     kw = dict(block_n=8, block_k=32, w_scale=s)
     if mode == "bias":
         b = torch.randn(N, generator=g).to(DEV)
-        ref, out = torch.nn.functional.linear(x, deq, b), to.gemv(x, q, b, **kw)
+        ref, out = torch.nn.functional.linear(x, deq, b), tlin.gemv(x, q, b, **kw)
     elif mode == "silu":
         from tianxia.layers.activation import SiluAndMul
 
-        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), to.gemv(x, q, act="silu_mul", **kw)
+        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), tlin.gemv(x, q, act="silu_mul", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -403,7 +405,7 @@ def test_gemv_quantized_weight(method, mode):
         res = torch.randn(1, K, generator=g).to(DEV)
         h, _ = norm(x, res)
         ref = torch.nn.functional.linear(h, deq)
-        out, _ = to.gemv(x, q, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
+        out, _ = tlin.gemv(x, q, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -417,7 +419,7 @@ def test_wq_matmul(method, bias):
     x = torch.randn(M, K, generator=g).to(DEV)
     q, s = quantize_rows(torch.randn(N, K, generator=g), method)
     b = torch.randn(N, generator=g).to(DEV) if bias else None
-    out = to.wq_matmul(x, q.to(DEV), s.to(DEV), b)
+    out = tlin.wq_matmul(x, q.to(DEV), s.to(DEV), b)
     ref = torch.nn.functional.linear(x, (q.float() * s[:, None]).to(DEV), b)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
@@ -459,7 +461,7 @@ def test_quantize_rows_fp8_matches_eager(K):
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, K, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
-    q, s = to.quantize_rows_fp8(x.to(DEV))
+    q, s = tlin.quantize_rows_fp8(x.to(DEV))
     ref_q, ref_s = _quantize_tokens_fp8(x)
     torch.testing.assert_close(s.cpu(), ref_s, rtol=0, atol=0)
     got, want = q.float().cpu(), ref_q.float()

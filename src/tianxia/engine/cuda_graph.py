@@ -8,7 +8,7 @@ size (padding rows: slot -1, so nothing is written to the cache, and length 0, s
 returns zeros), copies its inputs in and replays the graph. ``--enforce-eager`` turns it off.
 
 The captured forward is :class:`FusedDecoder`: the model's own weights, run through the Triton
-ops of :mod:`tianxia.layers.attention.triton_ops` instead of the module tree: per layer, residual
+ops of :mod:`tianxia.layers.triton_linear` and :mod:`tianxia.layers.triton_pointwise` instead of the module tree: per layer, residual
 add + RMSNorm, the qkv projection, RoPE + KV write in one kernel, split-K paged decode attention,
 the output projection, add + RMSNorm, gate/up, SiLU-mul, down. At batch 1 each projection is a
 Triton GEMV with the norm fused into its prologue and the bias / SiLU-mul into its epilogue (6
@@ -96,7 +96,9 @@ class FusedDecoder:
     def forward(self, ids, positions, slots, block_tables, seq_lens, num_splits: int) -> torch.Tensor:
         """Logits [B, vocab] (float32) for one decode token per row."""
         from tianxia.layers.attention.triton_attention import decode_attention
-        from tianxia.layers.attention.triton_ops import add_rmsnorm, gemv, rope_write_kv, silu_mul
+        from tianxia.layers.attention.triton_rope import rope_write_kv
+        from tianxia.layers.triton_linear import gemv
+        from tianxia.layers.triton_pointwise import add_rmsnorm, silu_mul
 
         B = ids.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim

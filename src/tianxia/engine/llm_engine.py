@@ -199,6 +199,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
+        if self.device.type == "cuda":
+            from tianxia.engine.kernel_cache import configure_gpu_caches
+
+            configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
         backend = get_backend(self.device)
         loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
                             quantization=config.quantization)

@@ -37,7 +37,7 @@ from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
-from tianxia.models.cpu_decoder import FusedDecoder, unsupported_reason
+from tianxia.models.llama_cpu_step import FusedDecoder, unsupported_reason
 from tianxia.quant.packed import PackedWeight, stack_runs
 
 
@@ -193,7 +193,7 @@ class LlamaModel(nn.Module):
         )
         self.rotary_embs = list(shared.values())
         self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
-        # decode steps on CPU as one C++ call (see cpu_decoder); built on first use
+        # decode steps on CPU as one C++ call (see llama_cpu_step); built on first use
         self.int8_activations = False
         self.fused_decode = True  # False: every step takes the module path (tests compare the two)
         self.num_fused_steps = 0

@@ -73,9 +73,6 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
     if name is None:
         name = "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
     if name == "triton":
-        from tianxia.build import configure_gpu_caches
-
-        configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
         from tianxia.layers.attention import triton_attention  # noqa: F401  (registers "triton")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")

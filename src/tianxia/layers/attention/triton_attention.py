@@ -27,14 +27,9 @@ import triton
 import triton.language as tl
 
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from tianxia.layers.triton_utils import interpreting
 
 _LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --- KV write -------------------------------------------------------------------------------------
@@ -230,7 +225,7 @@ def decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HQ=HQ, HK=HK, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad, BS=bs,
         BLOCK_N=_DECODE_BLOCK_N, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=kv_cache.dtype == torch.float32 or _interpreting(),
+        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=kv_cache.dtype == torch.float32 or interpreting(),
         num_warps=4, num_stages=2,
     )
     if split:
@@ -339,7 +334,7 @@ def prefill_attention(
     _, HQ, D = q.shape
     _, _, bs, HK, _ = kv_cache.shape
     d_pad = max(16, triton.next_power_of_2(D))
-    interp = _interpreting()
+    interp = interpreting()
     block_m = 16 if interp else (64 if d_pad <= 128 else 32)
     block_n = 16 if interp else (64 if d_pad <= 128 else 32)
     grid = (num_seqs, HQ, triton.cdiv(max_query_len, block_m))
@@ -349,7 +344,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HK=HK, G=HQ // HK, D=D, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_F32=kv_cache.dtype == torch.float32 or _interpreting(), num_warps=4, num_stages=2,
+        DOT_F32=kv_cache.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=2,
     )
     return out
 

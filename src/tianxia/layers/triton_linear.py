@@ -1,150 +1,21 @@
-"""Fused Triton ops of the CUDA decode path (:mod:`tianxia.engine.cuda_graph`).
+"""Triton matrix products of the GPU path: the batch-1 GEMV and the int8 / fp8 weight products.
 
-Each op reproduces the rounding of the eager PyTorch layers it replaces (bf16/fp16 storage between
-steps, float32 inside), so greedy decoding follows the same tokens:
-
-- ``add_rmsnorm``: residual add + RMSNorm in one pass (:class:`tianxia.layers.norm.RMSNorm`).
-- ``silu_mul``: ``silu(gate) * up`` (:class:`tianxia.layers.activation.SiluAndMul`).
-- ``rope_write_kv``: rotate-half RoPE of q and k from a fused qkv row, k and v written straight
-  into the paged cache (slots below zero skipped), q returned.
 - ``gemv``: batch-1 ``x @ W.T`` for the memory-bound decode step, each program reading
   ``BLOCK_N`` whole rows of W, with fused prologues (RMSNorm, or residual add + RMSNorm, of x:
   the block's rows need the whole of x anyway) and epilogues (bias, ``silu(gate) * up`` over the
   two halves of a fused gate/up weight). That removes the norm and activation launches of a layer
   and their round trips through memory. Block shapes are autotuned per (N, K) on the GPU.
+- ``wq_matmul``: ``x @ (w * scale).T`` with an int8 or float8 weight widened in registers.
+- ``quantize_rows_fp8``: per-row float8 activations for W8A8 products, in one launch.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# --- residual add + RMSNorm -------------------------------------------------------------------------
-
-
-@triton.jit
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, eps, N,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + row * N + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(rout_ptr + row * N + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``RMSNorm(x + residual)`` and the new residual (``x`` itself when ``residual`` is None)."""
-    M, N = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    rout = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(N)
-    _add_rmsnorm_kernel[(M,)](
-        x, residual.contiguous() if residual is not None else x, weight, out, rout, float(eps), N,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-    )
-    return out, rout
-
-
-# --- silu(gate) * up ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(x_ptr + row * 2 * N + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * 2 * N + N + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    M, N2 = x.shape
-    N = N2 // 2
-    x = x.contiguous()
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(N))
-    _silu_mul_kernel[(M, triton.cdiv(N, block))](x, out, N, BLOCK=block, num_warps=4)
-    return out
-
-
-# --- RoPE + KV write ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_out_ptr,
-                          HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
-                          HK_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HALF_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, HALF_PAD)
-    jm = j < HALF
-    cos = tl.load(cs_ptr + pos * 2 * HALF + j, mask=jm, other=0.0)[None, :]
-    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + j, mask=jm, other=0.0)[None, :]
-    row = qkv_ptr + t * ((HQ + 2 * HK) * D)
-
-    hq = tl.arange(0, HQ_PAD)
-    qm = (hq < HQ)[:, None] & jm[None, :]
-    q1 = tl.load(row + hq[:, None] * D + j[None, :], mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(row + hq[:, None] * D + HALF + j[None, :], mask=qm, other=0.0).to(tl.float32)
-    qo = q_out_ptr + t * HQ * D + hq[:, None] * D + j[None, :]
-    tl.store(qo, (q1 * cos - q2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
-    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
-
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        hk = tl.arange(0, HK_PAD)
-        km = (hk < HK)[:, None] & jm[None, :]
-        kb = row + HQ * D + hk[:, None] * D + j[None, :]
-        k1 = tl.load(kb, mask=km, other=0.0).to(tl.float32)
-        k2 = tl.load(kb + HALF, mask=km, other=0.0).to(tl.float32)
-        # k rounds to the model dtype first, as the eager rotary returns it, then to the cache's
-        kdt = qkv_ptr.dtype.element_ty
-        cdt = kc_ptr.dtype.element_ty
-        ko = kc_ptr + slot * HK * D + hk[:, None] * D + j[None, :]
-        tl.store(ko, (k1 * cos - k2 * sin).to(kdt).to(cdt), mask=km)
-        tl.store(ko + HALF, (k2 * cos + k1 * sin).to(kdt).to(cdt), mask=km)
-        vb = row + (HQ + HK) * D + hk[:, None] * D + j[None, :]
-        vo = vc_ptr + slot * HK * D + hk[:, None] * D + j[None, :]
-        tl.store(vo, tl.load(vb, mask=km, other=0.0).to(cdt), mask=km)
-        tl.store(vo + HALF, tl.load(vb + HALF, mask=km, other=0.0).to(cdt), mask=km)
-
-
-def rope_write_kv(qkv, positions, cos_sin, kv_cache, slots, num_heads, num_kv_heads, head_dim):
-    """``qkv`` [T, (Hq + 2 Hk) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache.
-
-    ``cos_sin`` is the rotary table ``[max_pos, D]`` (cos in the first half, sin in the second),
-    float32, covering every position passed.
-    """
-    T = qkv.shape[0]
-    q_out = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    half = head_dim // 2
-    _rope_write_kv_kernel[(T,)](
-        qkv.contiguous(), positions, cos_sin, kv_cache[0], kv_cache[1], slots, q_out,
-        HQ=num_heads, HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
-        HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), num_warps=4,
-    )
-    return q_out
+from tianxia.layers.triton_utils import interpreting
 
 
 # --- batch-1 GEMV with fused prologue / epilogue ------------------------------------------------------
@@ -290,7 +161,7 @@ def gemv(
         w_scale if w_scale is not None else x, float(eps), N, K,
     )
     flags = dict(HAS_BIAS=bias is not None, NORM=norm, SILU=silu, HAS_SCALE=w_scale is not None)
-    if block_n is not None or _interpreting():
+    if block_n is not None or interpreting():
         bn, bk = block_n or 8, block_k or 128
         _gemv_fixed[(triton.cdiv(N, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     else:
@@ -359,7 +230,7 @@ def wq_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             min(triton.next_power_of_2(max(M, 1)), 1024))
     # float32 activations keep float32 products (torch's matmul default), not TF32's 10-bit mantissa
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    if _interpreting():
+    if interpreting():
         bm, bn, bk = 16, 32, 32
         _wq_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
             *args, HAS_BIAS=bias is not None, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)
