@@ -347,7 +347,7 @@ def _op_pair(kind, ws, b, x, r, nw, xin):
         return (lambda: tlin.gemv(x, next(cycle), b, residual=r, norm_weight=nw),
                 lambda: linear(normed(), next(cycle), b))
     if kind == "gu":
-        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu_mul"),
+        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu"),
                 lambda: tpw.silu_mul(linear(normed(), next(cycle))))
     if kind == "lm":
         return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw),
@@ -517,25 +517,28 @@ def tianxia_phase(engine, shape: str, args, work, ref: dict) -> dict:
             gr.graphs = graphs
             # both batch-1 variants (Triton GEMV / cuBLAS projections), captured afresh over the
             # last step's inputs
-            chosen = gr.decoder.use_gemv
-            d["batch1_path"] = "gemv" if chosen else "cublas"
-            try:
-                for use_gemv, key in ((True, "graph_gemv_ms_per_token"), (False, "graph_cublas_ms_per_token")):
-                    gr.decoder.use_gemv = use_gemv
-                    gr._forward(1)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
+            step = engine.runner.decode_step
+            if step is not None and step.variants:
+                chosen = "gemv" if step.use_gemv else "cublas"
+                d["batch1_path"] = chosen
+                try:
+                    for variant in step.variants:
+                        step.set_variant(variant)
                         gr._forward(1)
-                    d[key] = _time_graph(g) * 1e3
-                    del g
-            finally:
-                gr.decoder.use_gemv = chosen
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            gr._forward(1)
+                        d[f"graph_{variant}_ms_per_token"] = _time_graph(g) * 1e3
+                        del g
+                finally:
+                    step.set_variant(chosen)
         runner = engine.runner
-        saved, runner.graph_runner = runner.graph_runner, None
+        saved = runner.graph_runner, runner.decode_step
+        runner.graph_runner = runner.decode_step = None  # the module forward, eagerly
         steps = []
         engine_generate(engine, [prompt], [min(n, 32)], steps)
         d["eager_ms_per_token"] = sum(steps[1:]) / len(steps[1:]) * 1e3
-        runner.graph_runner = saved
+        runner.graph_runner, runner.decode_step = saved
         log(f"{shape}: decode " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()))
         out["decode"] = d
     if "throughput" in args.measure:

@@ -261,7 +261,7 @@ def test_gemv(dtype, mode):
         from tianxia.layers.activation import SiluAndMul
 
         ref = SiluAndMul()(torch.nn.functional.linear(x, w))
-        out = tlin.gemv(x, w, act="silu_mul", **kw)
+        out = tlin.gemv(x, w, act="silu", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -330,32 +330,35 @@ def _greedy(runner, prompts, steps):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_matches_model(batch):
-    from tianxia.engine.cuda_graph import CudaGraphRunner, unsupported_reason
+    from tianxia.engine.cuda_graph import CudaGraphRunner
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     dtype = torch.float32
     runner, cfg = _tiny_runner(dtype)
-    assert unsupported_reason(runner.model, cfg) is None
     prompts = [[(7 * i + 3 * j) % cfg.vocab_size for j in range(5 + 2 * i)] for i in range(batch)]
     expected = _greedy(runner, prompts, 6)
     runner2, _ = _tiny_runner(dtype)
+    step = LlamaGpuStep(runner2.model, runner2.kv_caches, 64)
     runner2.graph_runner = CudaGraphRunner(
-        runner2.model, cfg, runner2.kv_caches, 4, max_num_seqs=4, max_model_len=64, device=DEV,
+        step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads, block_size=4,
+        max_num_seqs=4, max_model_len=64, device=DEV, variants=step.variants, set_variant=step.set_variant,
         use_graphs=CUDA,
     )
     runner2.graph_runner.capture()
     assert _greedy(runner2, prompts, 6) == expected
+    assert runner2.route_counts["graph"] == 5
 
 
 def _check_fused_decoder_logits(runner, cfg) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
-    from tianxia.engine.cuda_graph import FusedDecoder
     from tianxia.engine.sequence import Sequence
     from tianxia.layers.attention.triton_attention import decode_num_splits
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
     from tianxia.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
     _greedy(runner, prompts, 2)  # fills the cache
-    dec = FusedDecoder(runner.model, cfg, runner.kv_caches, 64)
+    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
     for b in (1, 3):
         seqs = []
         for i, p in enumerate(prompts[:b]):
@@ -365,9 +368,8 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
             seqs.append(s)
         _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        got = dec.forward(ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
-                          decode_num_splits(b, 2, 64))
-        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+        meta.num_splits = decode_num_splits(b, 2, 64)
+        torch.testing.assert_close(step(ids, pos, meta), ref, atol=1e-3, rtol=1e-3)
 
 
 def test_fused_decoder_logits_close():
@@ -397,7 +399,7 @@ def test_gemv_quantized_weight(method, mode):
     elif mode == "silu":
         from tianxia.layers.activation import SiluAndMul
 
-        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), tlin.gemv(x, q, act="silu_mul", **kw)
+        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), tlin.gemv(x, q, act="silu", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -472,3 +474,80 @@ def test_quantize_rows_fp8_matches_eager(K):
         carry = (want.abs() > y.abs()) & (torch.frexp(want)[0].abs() == 0.5)
         got, want = got[~carry], want[~carry]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# --- every family through the CUDA-graph runner's decode functions ----------------------------------
+
+LLAMA_STYLE = ("llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "mistral-swa")
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from test_model_families import make_model, make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("route-families")
+    make_tiny_tokenizer(root / "tok")
+    return lambda arch: make_model(arch, root / arch, root / "tok")
+
+
+def _routes_agree(llm, prompts, params, installs) -> None:
+    """Greedy tokens and logprobs of the eager module forward, then with each of ``installs``
+    having set up a decode route on the runner: the same tokens, logprobs within float32
+    rounding."""
+    runner = llm.engine.runner
+    runner.decode_step = runner.graph_runner = None
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    for install in installs:
+        install(runner)
+        before = runner.route_counts["graph"]
+        routed = llm.generate(prompts, params, use_tqdm=False)
+        assert runner.route_counts["graph"] - before >= params.max_tokens - 1
+        for a, b in zip(eager, routed):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                for t in step_a:
+                    assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3",
+                                  "mistral-swa", "gpt2", "falcon", "falcon-seq"])
+def test_every_family_decodes_through_the_graph_runner(arch, family_models, monkeypatch):
+    """The decode functions a GPU captures, run here uncaptured with the Triton backend: the
+    family's fused GPU step (Llama-style families: q/k norms, Gemma norms and soft-capping,
+    partial and interleaved RoPE, sliding windows) and the module forward over the runner's
+    static, padded buffers (every family), each giving the eager path's tokens. Three prompts
+    (padded to a batch of 4) take the GEMM form of the fused step; one prompt its GEMV form, with
+    the Llama and the Gemma norm prologues and the SiLU and GeGLU epilogues."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine.cuda_graph import CudaGraphRunner, module_decode_fn
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models(arch)), num_kv_blocks=48, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=4, max_model_len=64)
+    cfg = llm.engine.model_config
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+
+    def graph_runner(runner, decode, step=None):
+        gr = CudaGraphRunner(
+            decode, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads, block_size=4,
+            max_num_seqs=4, max_model_len=64, device=DEV, variants=step.variants if step else (),
+            set_variant=step.set_variant if step else None, use_graphs=False,
+        )
+        gr.capture()
+        runner.graph_runner = gr
+
+    def module_route(runner):
+        graph_runner(runner, module_decode_fn(runner.model, runner.kv_caches))
+
+    def fused_route(runner):
+        step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+        graph_runner(runner, step, step)
+
+    fused = [fused_route] if arch in LLAMA_STYLE else []
+    batch = [{"prompt_token_ids": p} for p in (ids[:5], ids[:11], ids[:7])]
+    _routes_agree(llm, batch, params, [module_route, *fused])
+    if arch in ("qwen2", "gemma2"):
+        _routes_agree(llm, batch[1:2], params, fused)

@@ -144,8 +144,10 @@ class RotaryEmbedding(nn.Module):
                 base = self.base * ratio ** (d / (d - 2))
                 inv_freq = self._base_inv_freq(base).to(positions.device)
                 return self._table(positions.float(), inv_freq)
-        if positions.numel():
+        if positions.numel() and positions.device.type == "cpu":
             self.ensure_positions(int(positions.max()))
+        # on a GPU the table was sized for the longest context at start-up (ensure_positions):
+        # reading the step's largest position back would sync the host, and break graph capture
         return self.cos_sin[positions]
 
     def ensure_positions(self, last: int) -> None:

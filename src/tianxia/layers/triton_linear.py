@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tianxia.layers.triton_pointwise import ACTIVATIONS, gated, normed
 from tianxia.layers.triton_utils import interpreting
 
 
@@ -23,9 +24,9 @@ from tianxia.layers.triton_utils import interpreting
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, eps, N, K,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 EVEN_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr, ACT: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -65,7 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
                 nw = tl.load(nw_ptr + ks)
             else:
                 nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
-            xv = (nw.to(tl.float32) * (xv.to(tl.float32) * rstd).to(xdt).to(tl.float32)).to(xdt)
+            xv = normed(xv.to(tl.float32), rstd, nw, GEMMA, xdt)
         xf = xv.to(tl.float32)[None, :]
         if EVEN_K:
             wmask = nmask[:, None]
@@ -73,7 +74,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
             wmask = nmask[:, None] & (ks < K)[None, :]
         w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0)
         acc += w.to(tl.float32) * xf
-        if SILU:
+        if ACT > 0:
             w2 = tl.load(w_rows + N * K + ks[None, :], mask=wmask, other=0.0)
             acc2 += w2.to(tl.float32) * xf
     y = tl.sum(acc, 1)
@@ -83,13 +84,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     odt = out_ptr.dtype.element_ty
-    if SILU:
+    if ACT > 0:
         g = y.to(odt).to(tl.float32)
         u = tl.sum(acc2, 1)
         if HAS_SCALE:
             u *= tl.load(s_ptr + N + rn, mask=nmask, other=0.0)
         u = u.to(odt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(odt).to(tl.float32)
+        s = gated(g, ACT).to(odt).to(tl.float32)
         y = s * u
     tl.store(out_ptr + rn, y.to(odt), mask=nmask)
 
@@ -121,19 +122,20 @@ def _bench(fn, quantiles):
 
 
 _gemv_tuned = triton.autotune(
-    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
+    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "GEMMA", "ACT", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
     cache_results=True,
 )(_gemv_fixed)
 
 
 def gemv(
     x: torch.Tensor,  # [1, K]
-    w: torch.Tensor,  # [N, K], or [2N, K] (gate rows, then up rows) with act="silu_mul"
+    w: torch.Tensor,  # [N, K], or [2N, K] (gate rows, then up rows) with ``act``
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    gemma_norm: bool = False,
     act: str | None = None,
     w_scale: torch.Tensor | None = None,  # [N] (or [2N]) float32, for an int8 / fp8 ``w``
     block_n: int | None = None,
@@ -143,13 +145,15 @@ def gemv(
 
     An int8 or float8 ``w`` comes with ``w_scale``, its per-row scales (``W = w * w_scale[:, None]``):
     the kernel reads the narrow weight, which is what makes quantized decode faster.
-    With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given), and the
-    call returns ``(out, new_residual)``; otherwise ``out``.
+    With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given; Gemma's
+    offset weight with ``gemma_norm``), and the call returns ``(out, new_residual)``; otherwise
+    ``out``. With ``act`` (``"silu"`` or ``"gelu_pytorch_tanh"``) ``w`` holds gate and up rows and
+    the output is ``act(gate) * up``.
     """
     assert x.shape[0] == 1 and w.is_contiguous()
     K = x.shape[1]
-    silu = act == "silu_mul"
-    N = w.shape[0] // (2 if silu else 1)
+    gated_act = 0 if act is None else ACTIVATIONS[act]
+    N = w.shape[0] // (2 if gated_act else 1)
     x = x.contiguous()
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     norm = 0 if norm_weight is None else (2 if residual is not None else 1)
@@ -160,9 +164,11 @@ def gemv(
         norm_weight if norm_weight is not None else w,
         w_scale if w_scale is not None else x, float(eps), N, K,
     )
-    flags = dict(HAS_BIAS=bias is not None, NORM=norm, SILU=silu, HAS_SCALE=w_scale is not None)
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm, GEMMA=gemma_norm, ACT=gated_act,
+                 HAS_SCALE=w_scale is not None)
     if block_n is not None or interpreting():
-        bn, bk = block_n or 8, block_k or 128
+        # the interpreter runs each program in turn: few, wide ones
+        bn, bk = block_n or (64 if interpreting() else 8), block_k or 128
         _gemv_fixed[(triton.cdiv(N, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     else:
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)

@@ -24,6 +24,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same as seq_lens
     block_size: int
+    # the decode attention's split count, fixed by a CUDA-graph capture (its grid cannot follow
+    # the context lengths); None: the backend picks it from seq_lens
+    num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:
