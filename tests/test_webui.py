@@ -18,10 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import sync_playwright
 
 from tianxia.server.testing import ServerProcess, metric
-
-playwright_api = pytest.importorskip("playwright.sync_api")
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [
@@ -57,7 +56,7 @@ def server(smollm2_path):
 
 @pytest.fixture(scope="module")
 def browser():
-    with playwright_api.sync_playwright() as p:
+    with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield b
         b.close()
@@ -158,6 +157,14 @@ def test_the_page_is_served_without_the_key_and_asks_for_it(browser, server):
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
     assert "script-src 'self'" in r.headers["content-security-policy"]
     assert httpx.get(server.url + "/v1/models").status_code == 401  # the API still needs it
+    js = httpx.get(server.url + "/webui/app.js")
+    assert js.status_code == 200 and js.headers["content-encoding"] == "gzip"
+    again = httpx.get(server.url + "/webui/app.js", headers={"If-None-Match": js.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+    # only the page's own files are open: any other path needs the key, as before
+    assert httpx.get(server.url + "/webui/nothing.js").status_code == 401
+    missing = httpx.get(server.url + "/webui/nothing.js", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     api_calls = []
     page = new_page(browser, server, key=False,
                     on_request=lambda req: "/v1/" in req.url and api_calls.append(req))
@@ -214,7 +221,7 @@ def test_streamed_reply_with_settings_stats_and_reload(page, server):
     conv = stored_conversations(page)[0]
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
     assert conv["messages"][1]["content"] == streamed
-    states = [s for s in page.evaluate("window.states") if s.strip()]
+    states = [s for s in page.evaluate("() => window.states") if s.strip()]
     final = page.locator("article.assistant .msg-body").text_content()
     assert final.strip() and states[-1] == final
     assert len(states) >= 4, states  # the reply grew token by token, not in one piece
@@ -341,7 +348,7 @@ def test_regenerate_edit_rename_export_delete_import(page, tmp_path):
     assert data["format"] == "tianxia-webui-conversations"
     [conv] = data["conversations"]
     assert conv["title"] == "Fruit talk"
-    assert [m["content"] for m in conv["messages"]][0] == "Name a fruit."
+    assert conv["messages"][0] == {"role": "user", "content": "Name a fruit."}
     assert conv["messages"][1]["content"] == sse_text(stream)
 
     page.once("dialog", lambda d: d.accept())
@@ -358,7 +365,8 @@ def test_regenerate_edit_rename_export_delete_import(page, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "an export"}')
     page.set_input_files("#import-file", str(bad))
-    page.wait_for_function("() => document.getElementById('status').textContent.includes('Import failed')")
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.includes('Import failed')")
 
 
 def test_raw_completion_mode(page):
@@ -444,7 +452,7 @@ def test_markdown_code_math_accessibility_and_screenshots(browser, server, tmp_p
     assert "<script>alert(1)</script>" in reply.text_content()  # raw HTML is shown as text
     assert reply.locator("script").count() == 0
     page.click("article.assistant .copy-code")
-    copied = page.evaluate("navigator.clipboard.readText()")
+    copied = page.evaluate("() => navigator.clipboard.readText()")
     assert copied.startswith("def fib(n: int) -> int:") and copied.endswith("    return a")
     stats = page.locator("article.assistant .stats").text_content()
     assert stats.startswith("38 prompt · 71 generated · 41.7 tokens/s")
@@ -456,15 +464,17 @@ def test_markdown_code_math_accessibility_and_screenshots(browser, server, tmp_p
         ".map(e => e.outerHTML)"
     )
     assert unnamed == []
-    page.evaluate("document.activeElement.blur()")
-    page.keyboard.press("Tab")  # the skip link
+    page.focus("a.skip")  # the first stop of the Tab order, shown when focused
+    assert page.locator("a.skip").bounding_box()["x"] >= 0
     page.keyboard.press("Enter")
-    assert page.evaluate("document.activeElement.id") == "prompt"
+    assert page.evaluate("() => document.activeElement.id") == "prompt"
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.id") == "send"
     page.screenshot(path=str(out / "desktop.png"))
 
     phone = new_page(browser, server, viewport=PHONE)
     phone.set_input_files("#import-file", str(export))
-    phone.wait_for_selector("#conversation-list li")
+    phone.wait_for_selector("#conversation-list li", state="attached")
     assert not phone.locator("#sidebar").is_visible()  # off-canvas on a narrow window
     phone.click("#open-sidebar")
     phone.click(".conv-open:text-is('Fibonacci in Python')")
@@ -474,12 +484,24 @@ def test_markdown_code_math_accessibility_and_screenshots(browser, server, tmp_p
     assert width <= PHONE["width"]  # nothing sticks out sideways
     phone.screenshot(path=str(out / "phone.png"))
     phone.click("#open-sidebar")
-    phone.locator("#sidebar").wait_for(state="visible")
+    phone.wait_for_function(  # slid in
+        "() => document.getElementById('sidebar').getBoundingClientRect().x === 0")
     phone.screenshot(path=str(out / "phone-conversations.png"))
     assert page.errors == [] and phone.errors == []
     for p in (page, phone):
         p.context.close()
     assert all((out / n).stat().st_size > 10_000 for n in ("desktop.png", "phone.png"))
+
+
+def test_the_page_is_small():
+    """Every file the page can load, libraries and licences included, in a few hundred KB."""
+    root = Path(__file__).parents[1] / "src" / "tianxia" / "server" / "webui"
+    files = [f for f in root.rglob("*") if f.is_file()]
+    assert {"index.html", "app.js", "style.css", "marked.umd.js", "purify.min.js",
+            "prism.min.js", "temml.min.js"} <= {f.name for f in files}
+    assert all((root / "vendor" / f"{lib}.LICENSE").is_file()
+               for lib in ("marked", "dompurify", "prism", "temml"))
+    assert sum(f.stat().st_size for f in files) < 400_000
 
 
 def test_no_webui_flag(smollm2_path):

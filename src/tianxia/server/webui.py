@@ -17,6 +17,8 @@ from pathlib import PurePosixPath
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from tianxia.server.errors import APIError
+
 ASSET_PREFIX = "/webui/"
 
 # The page loads scripts and styles from this server only; `unsafe-inline` styles are for the
@@ -78,7 +80,7 @@ def build_router() -> tuple[APIRouter, frozenset[str]]:
     def serve(path: str, request: Request) -> Response:
         asset = assets.get(path)
         if asset is None:
-            return Response(status_code=404)
+            return APIError(404, f"The web page has no file {path}.", code="not_found").response()
         # revalidated on every load (no-cache + ETag), so a new version is picked up at once
         headers = {"ETag": asset.etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding",
                    "X-Content-Type-Options": "nosniff"}
@@ -95,7 +97,9 @@ def build_router() -> tuple[APIRouter, frozenset[str]]:
     async def index(request: Request) -> Response:
         return serve("/", request)
 
-    @router.api_route(ASSET_PREFIX + "{name:path}", methods=["GET", "HEAD"], include_in_schema=False)
+    @router.api_route(
+        ASSET_PREFIX + "{name:path}", methods=["GET", "HEAD"], include_in_schema=False
+    )
     async def asset(name: str, request: Request) -> Response:
         return serve(ASSET_PREFIX + name, request)
 
