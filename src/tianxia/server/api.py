@@ -22,6 +22,7 @@ from tianxia.server.protocol import (
     TokenizeCompletionRequest,
 )
 from tianxia.server.serving import OpenAIServing
+from tianxia.server.webui import build_router as build_webui_router
 
 _ENDPOINTS = {
     "/v1/completions",
@@ -54,12 +55,14 @@ class _APIKeyAndStats:
         metrics: ServerMetrics | None,
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         metrics_require_auth: bool = False,
+        page_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.open_paths = _OPEN_PATHS if metrics_require_auth else _OPEN_PATHS | {"/metrics"}
+        open_paths = _OPEN_PATHS if metrics_require_auth else _OPEN_PATHS | {"/metrics"}
+        self.open_paths = open_paths | page_paths  # the web page's static files need no key
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -189,6 +192,7 @@ def build_app(
     root_path: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_auth: bool = False,
+    webui: bool = True,
 ) -> FastAPI:
     engine = serving.engine
 
@@ -206,12 +210,17 @@ def build_app(
     app.state.serving = serving
     app.state.metrics = metrics
     install_handlers(app)
+    page_paths: frozenset[str] = frozenset()
+    if webui:
+        page_router, page_paths = build_webui_router()
+        app.include_router(page_router)
     app.add_middleware(
         _APIKeyAndStats,
         api_key=api_key,
         metrics=metrics,
         max_body_bytes=max_request_bytes,
         metrics_require_auth=metrics_require_auth,
+        page_paths=page_paths,
     )
 
     def model_card(name: str) -> dict[str, Any]:
