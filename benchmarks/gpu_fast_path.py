@@ -173,7 +173,7 @@ def section_realweights(args):
     path = Path(args.gguf)
     n = args.correct_tokens
     res: dict = {"gguf": path.name, "size_mb": path.stat().st_size / 1e6}
-    gpu = {"gpu_memory_utilization": 0.3} if args.device == "cuda" else {"kv_cache_memory": "256MiB"}
+    gpu = {"kv_cache_memory": "1GiB" if args.device == "cuda" else "256MiB"}
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         if args.device != "cuda" and dtype_name == "bfloat16":
             continue

@@ -243,6 +243,62 @@ def test_rope_write_kv(dtype):
     assert flat[:, 17].abs().sum() == 0  # slot -1 skipped
 
 
+def _torch_rope(rope, pos, x):
+    """The eager rotation (not the CPU's fused in-place one)."""
+    cos, sin = rope._cos_sin(pos).chunk(2, dim=-1)
+    return rope._rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["half", "partial", "interleaved", "partial-interleaved"])
+@pytest.mark.parametrize("norm", [None, "rms", "gemma"])
+def test_rope_variants(dtype, layout, norm):
+    """The generic RoPE kernels (partial / interleaved rotation, q/k norms before it) against the
+    eager modules: ``rope_write_kv`` (the fused decode step) and ``rope`` (the module forward)."""
+    from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
+    from tianxia.layers.rotary import RotaryEmbedding
+
+    hq, hk, d, bs, nb, T = 4, 2, 32, 4, 16, 3
+    rot = d // 2 if layout.startswith("partial") else d
+    rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=rot, interleaved="interleaved" in layout)
+    rope.build_cache(DEV)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(DEV).to(dtype)
+    pos = torch.tensor([1, 17, 200], device=DEV)
+    slots = torch.tensor([3, -1, 40], device=DEV)
+    q, k, v = (t.reshape(T, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], -1))
+    kw = {}
+    if norm is not None:
+        cls = RMSNorm if norm == "rms" else GemmaRMSNorm
+        qn, kn = cls(d), cls(d)
+        with torch.no_grad():
+            qn.weight.copy_(torch.randn(d, generator=g) * 0.3 + (1.0 if norm == "rms" else 0.0))
+            kn.weight.copy_(torch.randn(d, generator=g) * 0.3 + (1.0 if norm == "rms" else 0.0))
+        qn, kn = qn.to(DEV).to(dtype), kn.to(DEV).to(dtype)
+        kw = dict(q_norm=qn.weight, k_norm=kn.weight, eps=qn.eps, gemma_norm=norm == "gemma")
+        # the eager norms in torch ops (the CPU's fused norm would take another rounding path)
+        def eager(mod, x):
+            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + mod.eps)
+            if norm == "gemma":
+                return (h * (1.0 + mod.weight.float())).to(x.dtype)
+            return mod.weight * h.to(x.dtype)
+        q, k = eager(qn, q), eager(kn, k)
+    rq, rk = _torch_rope(rope, pos, q), _torch_rope(rope, pos, k)
+    cache = torch.zeros(2, nb, bs, hk, d, device=DEV, dtype=dtype)
+    q_out = triton_rope.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d, rotary_dim=rot,
+                                      interleaved=rope.interleaved, **kw)
+    torch.testing.assert_close(q_out, rq, **_tol(dtype))
+    flat = cache.view(2, -1, hk, d)
+    torch.testing.assert_close(flat[0, 3], rk[0], **_tol(dtype))
+    torch.testing.assert_close(flat[0, 40], rk[2], **_tol(dtype))
+    assert torch.equal(flat[1, 40], v[2])
+    assert flat[:, 17].abs().sum() == 0  # slot -1 skipped
+    if norm is None:
+        got_q, got_k = triton_rope.rope(q, k, pos, rope.cos_sin, rot, rope.interleaved)
+        torch.testing.assert_close(got_q, rq, **_exact(dtype))
+        torch.testing.assert_close(got_k, rk, **_exact(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu"])
 def test_gemv(dtype, mode):

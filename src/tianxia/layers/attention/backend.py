@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
     return _BACKENDS[name]()
 
 
+@functools.cache
 def triton_available() -> bool:
     """Whether Triton can be imported (it ships with CUDA builds of PyTorch, not CPU ones)."""
     import importlib.util
