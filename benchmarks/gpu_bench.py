@@ -334,24 +334,25 @@ def _op_pair(kind, ws, b, x, r, nw, xin):
     """(Triton, cuBLAS) callables of one projection, cycling through the weight copies."""
     import itertools
 
-    from tianxia.layers.attention import triton_ops as to
+    from tianxia.layers import triton_linear as tlin
+    from tianxia.layers import triton_pointwise as tpw
 
     cycle = itertools.cycle(ws)
     linear = torch.nn.functional.linear
 
     def normed():
-        return to.add_rmsnorm(x, r, nw, 1e-6)[0]
+        return tpw.add_rmsnorm(x, r, nw, 1e-6)[0]
 
     if kind == "qkv":
-        return (lambda: to.gemv(x, next(cycle), b, residual=r, norm_weight=nw),
+        return (lambda: tlin.gemv(x, next(cycle), b, residual=r, norm_weight=nw),
                 lambda: linear(normed(), next(cycle), b))
     if kind == "gu":
-        return (lambda: to.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu_mul"),
-                lambda: to.silu_mul(linear(normed(), next(cycle))))
+        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw, act="silu"),
+                lambda: tpw.silu_mul(linear(normed(), next(cycle))))
     if kind == "lm":
-        return (lambda: to.gemv(x, next(cycle), residual=r, norm_weight=nw),
+        return (lambda: tlin.gemv(x, next(cycle), residual=r, norm_weight=nw),
                 lambda: linear(normed(), next(cycle)))
-    return lambda: to.gemv(xin, next(cycle)), lambda: linear(xin, next(cycle))
+    return lambda: tlin.gemv(xin, next(cycle)), lambda: linear(xin, next(cycle))
 
 
 def section_ops(args):
@@ -360,7 +361,8 @@ def section_ops(args):
     import triton.testing
 
     from tianxia.layers.attention import triton_attention as ta
-    from tianxia.layers.attention import triton_ops as to
+    from tianxia.layers import triton_pointwise as tpw
+    from tianxia.layers.attention import triton_rope
 
     dt = torch.bfloat16
     dev = "cuda"
@@ -405,8 +407,8 @@ def section_ops(args):
     cs = torch.randn(4096, d, device=dev)
     pos = torch.tensor([100], device=dev)
     slot = torch.tensor([5], device=dev)
-    res["rope_write_kv B=1"] = {"us": bench(lambda: to.rope_write_kv(qkv, pos, cs, cache, slot, hq, hk, d)) * 1e6}
-    res["add_rmsnorm B=1"] = {"us": bench(lambda: to.add_rmsnorm(x, r, nw, 1e-6)) * 1e6}
+    res["rope_write_kv B=1"] = {"us": bench(lambda: triton_rope.rope_write_kv(qkv, pos, cs, cache, slot, hq, hk, d)) * 1e6}
+    res["add_rmsnorm B=1"] = {"us": bench(lambda: tpw.add_rmsnorm(x, r, nw, 1e-6)) * 1e6}
     res["empty graph-less launch (torch add)"] = {"us": bench(lambda: x.add(r)) * 1e6}
     RESULTS["ops"] = res
     for k, v in res.items():
@@ -515,25 +517,28 @@ def tianxia_phase(engine, shape: str, args, work, ref: dict) -> dict:
             gr.graphs = graphs
             # both batch-1 variants (Triton GEMV / cuBLAS projections), captured afresh over the
             # last step's inputs
-            chosen = gr.decoder.use_gemv
-            d["batch1_path"] = "gemv" if chosen else "cublas"
-            try:
-                for use_gemv, key in ((True, "graph_gemv_ms_per_token"), (False, "graph_cublas_ms_per_token")):
-                    gr.decoder.use_gemv = use_gemv
-                    gr._forward(1)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
+            step = engine.runner.decode_step
+            if step is not None and step.variants:
+                chosen = "gemv" if step.use_gemv else "cublas"
+                d["batch1_path"] = chosen
+                try:
+                    for variant in step.variants:
+                        step.set_variant(variant)
                         gr._forward(1)
-                    d[key] = _time_graph(g) * 1e3
-                    del g
-            finally:
-                gr.decoder.use_gemv = chosen
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            gr._forward(1)
+                        d[f"graph_{variant}_ms_per_token"] = _time_graph(g) * 1e3
+                        del g
+                finally:
+                    step.set_variant(chosen)
         runner = engine.runner
-        saved, runner.graph_runner = runner.graph_runner, None
+        saved = runner.graph_runner, runner.decode_step
+        runner.graph_runner = runner.decode_step = None  # the module forward, eagerly
         steps = []
         engine_generate(engine, [prompt], [min(n, 32)], steps)
         d["eager_ms_per_token"] = sum(steps[1:]) / len(steps[1:]) * 1e3
-        runner.graph_runner = saved
+        runner.graph_runner, runner.decode_step = saved
         log(f"{shape}: decode " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items()))
         out["decode"] = d
     if "throughput" in args.measure:

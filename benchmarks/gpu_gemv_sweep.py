@@ -63,7 +63,8 @@ def main() -> int:
     args = ap.parse_args()
     import gpu_bench as gb
 
-    from tianxia.layers.attention import triton_ops as to
+    from tianxia.layers import triton_linear as tlin
+    from tianxia.layers import triton_pointwise as tpw
 
     dt = torch.bfloat16
     dev = "cuda"
@@ -109,13 +110,13 @@ def main() -> int:
                 grid = (triton.cdiv(n_out, bn),)
                 if kind == "plain":
                     a = (xin, w, w, out, xin, xin, w, xin, 1e-6, n_out, K)
-                    return lambda: to._gemv_fixed[grid](*a, NORM=0, SILU=False, **kw)
+                    return lambda: tlin._gemv_fixed[grid](*a, NORM=0, SILU=False, **kw)
                 a = (x, w, w, out, r, rout, nw, x, 1e-6, n_out, K)
                 if kind == "silu":
-                    return lambda: to._gemv_fixed[grid](*a, NORM=2, SILU=True, **kw)
+                    return lambda: tlin._gemv_fixed[grid](*a, NORM=2, SILU=True, **kw)
                 if name == "gate_up_unfused":
-                    return lambda: (to._gemv_fixed[grid](*a, NORM=2, SILU=False, **kw), to.silu_mul(out))
-                return lambda: to._gemv_fixed[grid](*a, NORM=2, SILU=False, **kw)
+                    return lambda: (tlin._gemv_fixed[grid](*a, NORM=2, SILU=False, **kw), tpw.silu_mul(out))
+                return lambda: tlin._gemv_fixed[grid](*a, NORM=2, SILU=False, **kw)
 
             try:
                 t = graph_seconds([call(ws[i % copies]) for i in range(ncalls)])

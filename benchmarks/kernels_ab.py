@@ -122,12 +122,13 @@ def whole_model(args, new, base) -> None:
 
     llm = LLM(os.path.expanduser(args.model), threads=args.threads, num_kv_blocks=64, max_model_len=1024,
               enable_prefix_caching=False)
-    model = llm.engine.runner.model
+    runner = llm.engine.runner
     long, short, _ = prompt_ids(llm.get_tokenizer())
 
     def use(ext) -> None:
         cpu_kernels.extension = lambda: ext
-        model._fused = None  # the fused decode step keeps the build that made it
+        # the fused decode step keeps the build that made it
+        runner.decode_step = runner.model.fast_decode_step(runner.kv_caches, llm.engine.max_model_len)
 
     def timed(ids: list[int], n: int) -> float:
         t = time.perf_counter()

@@ -111,6 +111,42 @@ def test_prefix_cache_computes_only_new_tokens(smollm2_path):
     _check_same(nocache, [second], [ref.outputs[0].token_ids], [out.outputs[0].token_ids], "prefix")
 
 
+def test_prefix_cache_keys_do_not_collide_where_the_builtin_hash_does():
+    """Two different blocks whose (parent, tokens) tuples have the same Python ``hash`` (the old
+    key) get different keys, and a cached block is not served to the other sequence."""
+    from tianxia.engine.block_manager import BlockManager, block_key
+    from tianxia.engine.sequence import Sequence
+
+    a, b = (0, 0), (2**61 - 1, 2**61 - 1)  # CPython hashes ints modulo 2**61 - 1
+    assert hash((None, a)) == hash((None, b))
+    assert block_key(None, a) != block_key(None, b)
+    bm = BlockManager(num_blocks=8, block_size=2)
+    first = Sequence("a", None, [*a, 5], SamplingParams())
+    bm.allocate(first, len(first))
+    first.num_computed_tokens = len(first)
+    bm.cache_full_blocks(first)
+    assert bm.lookup_prefix(Sequence("a2", None, [*a, 7], SamplingParams())) == first.block_table[:1]
+    assert bm.lookup_prefix(Sequence("b", None, [*b, 5], SamplingParams())) == []
+
+
+def test_cache_salt_keeps_prefixes_apart(smollm2_llm):
+    """vLLM's ``cache_salt``: the same prompt under another salt is computed again (no shared
+    blocks), under the same salt it hits the cache."""
+    prompt = "Tenants keep their prefixes apart. " * 8 + "The answer is"
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(salt):
+        request = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        return smollm2_llm.generate(request, params, use_tqdm=False)[0].num_cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 32
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        smollm2_llm.generate({"prompt": prompt, "cache_salt": ""}, params, use_tqdm=False)
+
+
 def test_chunked_prefill_matches_unchunked(smollm2_path, exact):
     prompt = "The history of the printing press begins " + "in the fifteenth century, " * 40
     chunked = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_num_batched_tokens=64, **EXACT)

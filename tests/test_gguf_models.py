@@ -62,20 +62,21 @@ def test_qwen2_greedy_matches_transformers(qwen_llm, qwen_path):
 def test_qwen2_mixed_qkv_decodes_fused_as_in_the_module_path(qwen_llm):
     # half of this file's layers write v in Q8_0 beside a Q5_0 q and k: those projections keep
     # one packed part per type, in the module path and in the fused C++ decode step alike
-    model = qwen_llm.engine.runner.model.model
+    runner = qwen_llm.engine.runner
+    model = runner.model.model
     split = [layer.self_attn.qkv_proj for layer in model.layers if isinstance(layer.self_attn.qkv_proj,
                                                                                SplitQuantizedLinear)]
     assert split and all(len(p.parts) == 2 for p in split)
     prompts = [{"prompt_token_ids": qwen_llm.get_tokenizer().encode(p)} for p in PROMPTS[:3]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    before = model.num_fused_steps
+    before = runner.route_counts["fused"]
     fused = qwen_llm.generate(prompts, params, use_tqdm=False)
-    assert model.num_fused_steps >= before + 11
-    model.fused_decode = False
+    assert runner.route_counts["fused"] >= before + 11
+    step, runner.decode_step = runner.decode_step, None  # the module forward
     try:
         plain = qwen_llm.generate(prompts, params, use_tqdm=False)
     finally:
-        model.fused_decode = True
+        runner.decode_step = step
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

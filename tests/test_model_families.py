@@ -314,7 +314,7 @@ def test_32k_context_memory_per_token(tmp_path, tiny_tokenizer_dir):
     assert rss() - before_rss < 256 << 20
 
 
-# --- the fused CPU decode step (models/cpu_decoder.py) against the layer-by-layer path -----------
+# --- the fused CPU decode step (models/llama_cpu_step.py) against the layer-by-layer path -----------
 
 LLAMA_STYLE = ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "mistral-swa"]
 
@@ -327,13 +327,13 @@ def test_fused_cpu_decode_matches_the_module_path(arch, kv, family_dirs):
     caches)."""
     llm = LLM(str(family_dirs(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
               kv_cache_dtype=kv)
-    model = llm.engine.runner.model.model
+    runner = llm.engine.runner
     ids = llm.get_tokenizer().encode(PROMPT)
     prompts = [{"prompt_token_ids": ids[:n]} for n in (3, 6, 11)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=4)
     fused = llm.generate(prompts, params, use_tqdm=False)
-    assert model.num_fused_steps >= 13
-    model.fused_decode = False
+    assert runner.route_counts["fused"] >= 13
+    runner.decode_step = None  # every step takes the module forward
     plain = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -41,7 +41,9 @@ if not CUDA:
 
 from tianxia.layers.attention import AttentionMetadata, get_backend
 from tianxia.layers.attention import triton_attention as ta
-from tianxia.layers.attention import triton_ops as to
+from tianxia.layers import triton_linear as tlin
+from tianxia.layers import triton_pointwise as tpw
+from tianxia.layers.attention import triton_rope
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.bfloat16]
@@ -201,11 +203,11 @@ def test_add_rmsnorm(dtype, with_residual):
     res = torch.randn(5, 48, device=DEV).to(dtype) if with_residual else None
     if res is None:
         ref = norm(x)
-        out, new_res = to.add_rmsnorm(x, None, norm.weight, 1e-6)
+        out, new_res = tpw.add_rmsnorm(x, None, norm.weight, 1e-6)
         assert new_res is x
     else:
         ref, ref_res = norm(x, res)
-        out, new_res = to.add_rmsnorm(x, res, norm.weight, 1e-6)
+        out, new_res = tpw.add_rmsnorm(x, res, norm.weight, 1e-6)
         torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     torch.testing.assert_close(out, ref, **_tol(dtype))
 
@@ -215,7 +217,7 @@ def test_silu_mul(dtype):
     from tianxia.layers.activation import SiluAndMul
 
     x = torch.randn(3, 2 * 40, device=DEV).to(dtype)
-    torch.testing.assert_close(to.silu_mul(x), SiluAndMul()(x), **_tol(dtype))
+    torch.testing.assert_close(tpw.silu_mul(x), SiluAndMul()(x), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,7 +232,7 @@ def test_rope_write_kv(dtype):
     pos = torch.tensor([0, 17, 200], device=DEV)
     slots = torch.tensor([3, -1, 40], device=DEV)
     cache = torch.zeros(2, nb, bs, hk, d, device=DEV, dtype=dtype)
-    q_out = to.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d)
+    q_out = triton_rope.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], -1)
     rq, rk = rope(pos, q.reshape(T, hq, d), k.reshape(T, hk, d))
     torch.testing.assert_close(q_out, rq, **_tol(dtype))
@@ -239,6 +241,62 @@ def test_rope_write_kv(dtype):
     torch.testing.assert_close(flat[0, 40], rk[2], **_tol(dtype))
     assert torch.equal(flat[1, 40], v.reshape(T, hk, d)[2])
     assert flat[:, 17].abs().sum() == 0  # slot -1 skipped
+
+
+def _torch_rope(rope, pos, x):
+    """The eager rotation (not the CPU's fused in-place one)."""
+    cos, sin = rope._cos_sin(pos).chunk(2, dim=-1)
+    return rope._rotate(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["half", "partial", "interleaved", "partial-interleaved"])
+@pytest.mark.parametrize("norm", [None, "rms", "gemma"])
+def test_rope_variants(dtype, layout, norm):
+    """The generic RoPE kernels (partial / interleaved rotation, q/k norms before it) against the
+    eager modules: ``rope_write_kv`` (the fused decode step) and ``rope`` (the module forward)."""
+    from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
+    from tianxia.layers.rotary import RotaryEmbedding
+
+    hq, hk, d, bs, nb, T = 4, 2, 32, 4, 16, 3
+    rot = d // 2 if layout.startswith("partial") else d
+    rope = RotaryEmbedding(d, 256, 10000.0, rotary_dim=rot, interleaved="interleaved" in layout)
+    rope.build_cache(DEV)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(DEV).to(dtype)
+    pos = torch.tensor([1, 17, 200], device=DEV)
+    slots = torch.tensor([3, -1, 40], device=DEV)
+    q, k, v = (t.reshape(T, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], -1))
+    kw = {}
+    if norm is not None:
+        cls = RMSNorm if norm == "rms" else GemmaRMSNorm
+        qn, kn = cls(d), cls(d)
+        with torch.no_grad():
+            qn.weight.copy_(torch.randn(d, generator=g) * 0.3 + (1.0 if norm == "rms" else 0.0))
+            kn.weight.copy_(torch.randn(d, generator=g) * 0.3 + (1.0 if norm == "rms" else 0.0))
+        qn, kn = qn.to(DEV).to(dtype), kn.to(DEV).to(dtype)
+        kw = dict(q_norm=qn.weight, k_norm=kn.weight, eps=qn.eps, gemma_norm=norm == "gemma")
+        # the eager norms in torch ops (the CPU's fused norm would take another rounding path)
+        def eager(mod, x):
+            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + mod.eps)
+            if norm == "gemma":
+                return (h * (1.0 + mod.weight.float())).to(x.dtype)
+            return mod.weight * h.to(x.dtype)
+        q, k = eager(qn, q), eager(kn, k)
+    rq, rk = _torch_rope(rope, pos, q), _torch_rope(rope, pos, k)
+    cache = torch.zeros(2, nb, bs, hk, d, device=DEV, dtype=dtype)
+    q_out = triton_rope.rope_write_kv(qkv, pos, rope.cos_sin, cache, slots, hq, hk, d, rotary_dim=rot,
+                                      interleaved=rope.interleaved, **kw)
+    torch.testing.assert_close(q_out, rq, **_tol(dtype))
+    flat = cache.view(2, -1, hk, d)
+    torch.testing.assert_close(flat[0, 3], rk[0], **_tol(dtype))
+    torch.testing.assert_close(flat[0, 40], rk[2], **_tol(dtype))
+    assert torch.equal(flat[1, 40], v[2])
+    assert flat[:, 17].abs().sum() == 0  # slot -1 skipped
+    if norm is None:
+        got_q, got_k = triton_rope.rope(q, k, pos, rope.cos_sin, rot, rope.interleaved)
+        torch.testing.assert_close(got_q, rq, **_exact(dtype))
+        torch.testing.assert_close(got_k, rk, **_exact(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -254,12 +312,12 @@ def test_gemv(dtype, mode):
     kw = dict(block_n=8, block_k=32)
     if mode in ("plain", "bias"):
         ref = torch.nn.functional.linear(x, w, b)
-        out = to.gemv(x, w, b, **kw)
+        out = tlin.gemv(x, w, b, **kw)
     elif mode == "silu":
         from tianxia.layers.activation import SiluAndMul
 
         ref = SiluAndMul()(torch.nn.functional.linear(x, w))
-        out = to.gemv(x, w, act="silu_mul", **kw)
+        out = tlin.gemv(x, w, act="silu", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -268,10 +326,10 @@ def test_gemv(dtype, mode):
             norm.weight.copy_(nw)
         if mode == "norm":
             h, ref_res = norm(x), x
-            out, new_res = to.gemv(x, w, norm_weight=norm.weight, eps=1e-6, **kw)
+            out, new_res = tlin.gemv(x, w, norm_weight=norm.weight, eps=1e-6, **kw)
         else:
             h, ref_res = norm(x, res)
-            out, new_res = to.gemv(x, w, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
+            out, new_res = tlin.gemv(x, w, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
         ref = torch.nn.functional.linear(h, w)
         torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
@@ -328,32 +386,35 @@ def _greedy(runner, prompts, steps):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_matches_model(batch):
-    from tianxia.engine.cuda_graph import CudaGraphRunner, unsupported_reason
+    from tianxia.engine.cuda_graph import CudaGraphRunner
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     dtype = torch.float32
     runner, cfg = _tiny_runner(dtype)
-    assert unsupported_reason(runner.model, cfg) is None
     prompts = [[(7 * i + 3 * j) % cfg.vocab_size for j in range(5 + 2 * i)] for i in range(batch)]
     expected = _greedy(runner, prompts, 6)
     runner2, _ = _tiny_runner(dtype)
+    step = LlamaGpuStep(runner2.model, runner2.kv_caches, 64)
     runner2.graph_runner = CudaGraphRunner(
-        runner2.model, cfg, runner2.kv_caches, 4, max_num_seqs=4, max_model_len=64, device=DEV,
+        step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads, block_size=4,
+        max_num_seqs=4, max_model_len=64, device=DEV, variants=step.variants, set_variant=step.set_variant,
         use_graphs=CUDA,
     )
     runner2.graph_runner.capture()
     assert _greedy(runner2, prompts, 6) == expected
+    assert runner2.route_counts["graph"] == 5
 
 
 def _check_fused_decoder_logits(runner, cfg) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
-    from tianxia.engine.cuda_graph import FusedDecoder
     from tianxia.engine.sequence import Sequence
     from tianxia.layers.attention.triton_attention import decode_num_splits
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
     from tianxia.sampling_params import SamplingParams
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
     _greedy(runner, prompts, 2)  # fills the cache
-    dec = FusedDecoder(runner.model, cfg, runner.kv_caches, 64)
+    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
     for b in (1, 3):
         seqs = []
         for i, p in enumerate(prompts[:b]):
@@ -363,9 +424,8 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
             seqs.append(s)
         _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        got = dec.forward(ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor,
-                          decode_num_splits(b, 2, 64))
-        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+        meta.num_splits = decode_num_splits(b, 2, 64)
+        torch.testing.assert_close(step(ids, pos, meta), ref, atol=1e-3, rtol=1e-3)
 
 
 def test_fused_decoder_logits_close():
@@ -391,11 +451,11 @@ def test_gemv_quantized_weight(method, mode):
     kw = dict(block_n=8, block_k=32, w_scale=s)
     if mode == "bias":
         b = torch.randn(N, generator=g).to(DEV)
-        ref, out = torch.nn.functional.linear(x, deq, b), to.gemv(x, q, b, **kw)
+        ref, out = torch.nn.functional.linear(x, deq, b), tlin.gemv(x, q, b, **kw)
     elif mode == "silu":
         from tianxia.layers.activation import SiluAndMul
 
-        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), to.gemv(x, q, act="silu_mul", **kw)
+        ref, out = SiluAndMul()(torch.nn.functional.linear(x, deq)), tlin.gemv(x, q, act="silu", **kw)
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -403,7 +463,7 @@ def test_gemv_quantized_weight(method, mode):
         res = torch.randn(1, K, generator=g).to(DEV)
         h, _ = norm(x, res)
         ref = torch.nn.functional.linear(h, deq)
-        out, _ = to.gemv(x, q, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
+        out, _ = tlin.gemv(x, q, residual=res, norm_weight=norm.weight, eps=1e-6, **kw)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -417,7 +477,7 @@ def test_wq_matmul(method, bias):
     x = torch.randn(M, K, generator=g).to(DEV)
     q, s = quantize_rows(torch.randn(N, K, generator=g), method)
     b = torch.randn(N, generator=g).to(DEV) if bias else None
-    out = to.wq_matmul(x, q.to(DEV), s.to(DEV), b)
+    out = tlin.wq_matmul(x, q.to(DEV), s.to(DEV), b)
     ref = torch.nn.functional.linear(x, (q.float() * s[:, None]).to(DEV), b)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
@@ -459,7 +519,7 @@ def test_quantize_rows_fp8_matches_eager(K):
 
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, K, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
-    q, s = to.quantize_rows_fp8(x.to(DEV))
+    q, s = tlin.quantize_rows_fp8(x.to(DEV))
     ref_q, ref_s = _quantize_tokens_fp8(x)
     torch.testing.assert_close(s.cpu(), ref_s, rtol=0, atol=0)
     got, want = q.float().cpu(), ref_q.float()
@@ -470,3 +530,80 @@ def test_quantize_rows_fp8_matches_eager(K):
         carry = (want.abs() > y.abs()) & (torch.frexp(want)[0].abs() == 0.5)
         got, want = got[~carry], want[~carry]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# --- every family through the CUDA-graph runner's decode functions ----------------------------------
+
+LLAMA_STYLE = ("llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3", "mistral-swa")
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from test_model_families import make_model, make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("route-families")
+    make_tiny_tokenizer(root / "tok")
+    return lambda arch: make_model(arch, root / arch, root / "tok")
+
+
+def _routes_agree(llm, prompts, params, installs) -> None:
+    """Greedy tokens and logprobs of the eager module forward, then with each of ``installs``
+    having set up a decode route on the runner: the same tokens, logprobs within float32
+    rounding."""
+    runner = llm.engine.runner
+    runner.decode_step = runner.graph_runner = None
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    for install in installs:
+        install(runner)
+        before = runner.route_counts["graph"]
+        routed = llm.generate(prompts, params, use_tqdm=False)
+        assert runner.route_counts["graph"] - before >= params.max_tokens - 1
+        for a, b in zip(eager, routed):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                for t in step_a:
+                    assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3",
+                                  "mistral-swa", "gpt2", "falcon", "falcon-seq"])
+def test_every_family_decodes_through_the_graph_runner(arch, family_models, monkeypatch):
+    """The decode functions a GPU captures, run here uncaptured with the Triton backend: the
+    family's fused GPU step (Llama-style families: q/k norms, Gemma norms and soft-capping,
+    partial and interleaved RoPE, sliding windows) and the module forward over the runner's
+    static, padded buffers (every family), each giving the eager path's tokens. Three prompts
+    (padded to a batch of 4) take the GEMM form of the fused step; one prompt its GEMV form, with
+    the Llama and the Gemma norm prologues and the SiLU and GeGLU epilogues."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine.cuda_graph import CudaGraphRunner, module_decode_fn
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models(arch)), num_kv_blocks=48, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=4, max_model_len=64)
+    cfg = llm.engine.model_config
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+
+    def graph_runner(runner, decode, step=None):
+        gr = CudaGraphRunner(
+            decode, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads, block_size=4,
+            max_num_seqs=4, max_model_len=64, device=DEV, variants=step.variants if step else (),
+            set_variant=step.set_variant if step else None, use_graphs=False,
+        )
+        gr.capture()
+        runner.graph_runner = gr
+
+    def module_route(runner):
+        graph_runner(runner, module_decode_fn(runner.model, runner.kv_caches))
+
+    def fused_route(runner):
+        step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+        graph_runner(runner, step, step)
+
+    fused = [fused_route] if arch in LLAMA_STYLE else []
+    batch = [{"prompt_token_ids": p} for p in (ids[:5], ids[:11], ids[:7])]
+    _routes_agree(llm, batch, params, [module_route, *fused])
+    if arch in ("qwen2", "gemma2"):
+        _routes_agree(llm, batch[1:2], params, fused)

@@ -6,8 +6,8 @@ A build does what a cold ``serve`` does at start-up, once, and keeps what can be
   measured per weight shape) go to ``$TIANXIA_HOME/cache/gpu/<key>/triton``, keyed by the GPU
   (name, compute capability) and the PyTorch / Triton / CUDA versions (kernels are specialized by
   dtype and shapes inside it; the build's manifest records the model, dtype and shapes). Every
-  CUDA engine uses that directory (:func:`configure_gpu_caches`, called when the Triton backend is
-  picked) unless ``TRITON_CACHE_DIR`` is set, so the next ``serve`` / ``run`` of the same model
+  CUDA engine uses that directory (:func:`configure_gpu_caches`, called when a CUDA engine
+  starts) unless ``TRITON_CACHE_DIR`` is set, so the next ``serve`` / ``run`` of the same model
   and settings compiles and autotunes nothing. (``TORCHINDUCTOR_CACHE_DIR`` is pointed beside it;
   tianxia itself does not use ``torch.compile``.)
 - the build warms up: it loads the model, plans memory, captures the decode CUDA graphs (which
@@ -27,48 +27,10 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
+
+from tianxia.engine.kernel_cache import configure_gpu_caches
 
 logger = logging.getLogger(__name__)
-
-
-def gpu_cache_key() -> str:
-    import torch
-
-    parts = [f"torch-{torch.__version__}", f"cuda-{torch.version.cuda}"]
-    try:
-        import triton
-
-        parts.append(f"triton-{triton.__version__}")
-    except ImportError:
-        parts.append("triton-none")
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        parts.append(f"{p.name}-sm{p.major}{p.minor}")
-    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
-    name = parts[-1].replace(" ", "_") if torch.cuda.is_available() else "nogpu"
-    return f"{name}-{digest}"
-
-
-def gpu_cache_dir() -> Path:
-    from tianxia.loader.hub import tianxia_home
-
-    return tianxia_home() / "cache" / "gpu" / gpu_cache_key()
-
-
-def configure_gpu_caches() -> Path | None:
-    """Point Triton's (and Inductor's) caches at the build cache, unless the user set them."""
-    if "TRITON_CACHE_DIR" in os.environ:
-        return Path(os.environ["TRITON_CACHE_DIR"])
-    try:
-        root = gpu_cache_dir()
-        (root / "triton").mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only home: Triton's default cache still works
-        logger.warning("GPU kernel cache not usable (%s); using Triton's default", e)
-        return None
-    os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    return root
 
 
 def add_build_parser(sub) -> None:

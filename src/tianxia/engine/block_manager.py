@@ -1,7 +1,11 @@
 """The KV block pool: allocation, reference counts, and the prefix cache.
 
-A full block is identified by a chained key: the key of the block before it plus its own tokens,
-so equal keys mean equal prefixes. Freed blocks that carry a key stay in the cache, in an LRU
+A full block is identified by a chained key: a SHA-256 digest of the key of the block before it,
+the sequence's extra key (its ``cache_salt``, for the first block) and its own tokens, so equal
+keys mean equal prefixes, and no two different prefixes can be made to share one (Python's
+``hash`` of the tokens, used before, collides by construction: ``hash(0) == hash(2**61 - 1)``,
+and a hit serves the cached K/V without comparing tokens). Freed blocks that carry a key stay in
+the cache, in an LRU
 free list (``OrderedDict`` gives O(1) removal from the middle when a cached block is hit again);
 allocation takes the least recently freed block and evicts its key.
 
@@ -16,21 +20,31 @@ zeros under its mask instead of another sequence's K/V.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
 
 from tianxia.engine.sequence import Sequence
+
+_ROOT = bytes(32)  # the parent of a sequence's first block
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: int | None = None  # prefix-cache key, set once the block is full and computed
+    key: bytes | None = None  # prefix-cache key, set once the block is full and computed
 
 
-def block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def block_key(parent: bytes | None, tokens: TokenIds[int], extra: bytes = b"") -> bytes:
+    """SHA-256 of the parent key, ``extra`` (length-prefixed) and the block's token ids."""
+    h = hashlib.sha256(parent or _ROOT)
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -56,7 +70,7 @@ class BlockManager:
         self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
-        self.cached: dict[int, int] = {}  # key -> block_id
+        self.cached: dict[bytes, int] = {}  # key -> block_id
         # prompt tokens looked up in / found in the prefix cache (vLLM's prefix_cache_queries/hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -99,10 +113,12 @@ class BlockManager:
 
     # --- prefix cache -------------------------------------------------------------------------
 
-    def _keys(self, token_ids: list[int], num_full_blocks: int) -> list[int]:
-        keys, parent, bs = [], None, self.block_size
-        for i in range(num_full_blocks):
-            parent = block_key(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+    def _keys(self, seq: Sequence, start: int, end: int) -> list[bytes]:
+        """Keys of full blocks ``start..end-1`` of ``seq``, chained on its keys before ``start``."""
+        keys, bs = [], self.block_size
+        parent = seq.block_keys[start - 1] if start else None
+        for i in range(start, end):
+            parent = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], b"" if i else seq.cache_salt)
             keys.append(parent)
         return keys
 
@@ -118,7 +134,7 @@ class BlockManager:
             # computed, so only blocks before that position can be hits
             num_tokens = min(num_tokens, len(seq.prompt_logprobs) - 1)
         hits = []
-        for key in self._keys(seq.token_ids, num_tokens // self.block_size):
+        for key in self._keys(seq, 0, num_tokens // self.block_size):
             block_id = self.cached.get(key)
             if block_id is None:
                 break
@@ -236,10 +252,10 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
         keys = seq.block_keys  # the chain so far, kept on the sequence: freed blocks lose theirs
-        bs = self.block_size
-        for i in range(len(keys), num_full):
-            key = block_key(keys[-1] if keys else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            keys.append(key)
+        first = len(keys)
+        keys.extend(self._keys(seq, first, num_full))
+        for i in range(first, num_full):
+            key = keys[i]
             block_id = seq.block_table[i]
             if block_id == self.null_block:
                 continue  # given back before this sequence keyed it (a fork keys its chain a step late)

@@ -16,7 +16,7 @@ from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
 from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_per_token
 from tianxia.engine.scheduler import Scheduler
-from tianxia.engine.sequence import Sequence, SequenceStatus
+from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
 from tianxia.loader import load_model
 from tianxia.outputs import CompletionOutput, Logprob, RequestOutput
@@ -104,9 +104,10 @@ def make_runner(model, model_config, cache_config, device, dtype, seed) -> Model
         raise ValueError(_oom_message(f"allocating a {want / _GIB:.2f} GiB KV cache", device, e)) from None
 
 
-def setup_cuda_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+def setup_decode(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+    """The runner's decode route (fused step, CUDA graphs); out of GPU memory is a message."""
     try:
-        runner.setup_cuda(max_num_seqs, max_model_len, enforce_eager=enforce_eager)
+        runner.setup_decode(max_num_seqs, max_model_len, enforce_eager=enforce_eager)
     except torch.cuda.OutOfMemoryError as e:
         raise ValueError(_oom_message("capturing the decode CUDA graphs", runner.device, e)) from None
 
@@ -199,6 +200,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
+        if self.device.type == "cuda":
+            from tianxia.engine.kernel_cache import configure_gpu_caches
+
+            configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
         backend = get_backend(self.device)
         loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
                             quantization=config.quantization)
@@ -240,8 +245,7 @@ class LLMEngine:
         self.max_model_len = max_len
         # the most tokens' worth of blocks one sequence holds
         longest = max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)
-        if self.device.type == "cuda":
-            setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
+        setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
         from dataclasses import replace
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
@@ -298,6 +302,11 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.grammar_backend().compile(params.structured_outputs)
         seq = Sequence(request_id, text, ids, params)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise ValueError("cache_salt must be a non-empty string")
+            seq.cache_salt = salt.encode()
         if isinstance(prompt, dict) and prompt.get("prompt_logprobs_start") and seq.prompt_logprobs is not None:
             # prompt logprobs only from this position on (None before it), so that the tokens
             # before it can come from the prefix cache (tianxia.lang's select scores choices so)

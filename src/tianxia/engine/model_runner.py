@@ -2,11 +2,20 @@
 
 The batch is the concatenation of every scheduled sequence's new tokens (no padding), with their
 positions, the cache slot each new token's K/V goes to, and each sequence's block table.
+
+This is the one place that picks how a step runs (the *route*, counted in ``route_counts``):
+
+- ``graph``: a step of decodes only, replayed from a CUDA graph of the family's fused decode step
+  or, for a family without one, of its module forward (:mod:`tianxia.engine.cuda_graph`);
+- ``fused``: a step of decodes only, through the family's fused step called directly (the CPU's
+  one-call C++ decoder; a GPU with graphs off);
+- ``eager``: the module forward (prompt chunks, mixed steps, batches past a route's limit).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +85,9 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self.eos_ids: tuple[int, ...] = model_config.eos_token_ids
-        self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_cuda)
+        self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_decode)
+        self.decode_step = None  # the family's fused decode step (setup_decode), or None
+        self.route_counts: Counter[str] = Counter()  # steps per route: graph, fused, eager
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -141,7 +152,7 @@ class ModelRunner:
                 for s in (seq, *(forks or {}).get(seq.seq_id, ())):
                     rows.append(meta.query_start_loc[i + 1] - 1)
                     seqs.append(s)
-        graph_logits = self._decode_graph_logits(order, ids, pos, meta)
+        graph_logits = self._decode_logits(order, ids, pos, meta)
         keep = self._rows_to_keep(order, rows, ids.shape[0])
         if graph_logits is not None:
             hidden = None
@@ -151,6 +162,8 @@ class ModelRunner:
             rows = [where[r] for r in rows]
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)
+        if hidden is not None:
+            self.route_counts["eager"] += 1
         result = StepResult()
         if keep is None:
             self._prompt_logprobs(order, hidden, meta, result)
@@ -192,39 +205,63 @@ class ModelRunner:
             result.errors[seqs[i].seq_id] = RequestFailure("the model produced NaN logits for this request")
         return logits.masked_fill(nan_rows[:, None], 0.0)
 
-    # --- CUDA ---------------------------------------------------------------------------------
+    # --- decode routes ------------------------------------------------------------------------
 
-    def setup_cuda(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> None:
-        """Capture the decode CUDA graphs (see :mod:`tianxia.engine.cuda_graph`), unless
-        ``enforce_eager`` or the model is outside the fused decode path."""
-        from tianxia.engine.cuda_graph import CudaGraphRunner, unsupported_reason
+    def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> None:
+        """Pick the decode route: the family's fused step if it has one for this device, and on
+        CUDA (unless ``enforce_eager``) CUDA graphs of that step or of the module forward."""
+        from tianxia.layers.rotary import RotaryEmbedding
 
+        if self.device.type != "cpu":
+            # rotary tables cover every position up front, so no step reads a position back
+            for module in self.model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.ensure_positions(max_model_len)
+        self.decode_step = self.model.fast_decode_step(self.kv_caches, max_model_len)
+        if self.device.type != "cuda":
+            return
+        if enforce_eager:
+            logger.info("--enforce-eager: decode steps run without CUDA graphs (%s)",
+                        "fused step" if self.decode_step is not None else "module forward")
+            return
+        from tianxia.engine.cuda_graph import CudaGraphRunner, module_decode_fn
         from tianxia.layers.attention.backend import triton_available
 
-        if enforce_eager:
-            logger.info("--enforce-eager: decode steps run eagerly, without CUDA graphs")
-            return
+        step = self.decode_step
         reason = None if triton_available() else "a missing Triton install"
-        reason = reason or unsupported_reason(self.model, self.config)
+        if step is None:
+            reason = reason or self.model.cuda_graph_unsafe_reason()
         if reason is not None:
-            logger.info("CUDA graphs off: the fused decode path does not handle %s", reason)
+            logger.info("CUDA graphs off: %s", reason)
             return
         runner = CudaGraphRunner(
-            self.model, self.config, self.kv_caches, self.block_size, max_num_seqs, max_model_len,
-            self.device,
+            step if step is not None else module_decode_fn(self.model, self.kv_caches),
+            vocab_size=self.config.vocab_size, num_kv_heads=self.config.num_key_value_heads,
+            block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            device=self.device, variants=step.variants if step is not None else (),
+            set_variant=step.set_variant if step is not None else None,
         )
         runner.capture()
+        logger.info("decode steps: CUDA graphs of the %s", "fused step" if step is not None else "module forward")
         self.graph_runner = runner
 
-    def _decode_graph_logits(self, order, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Logits of every row from a captured graph when the step is all decodes, else None."""
-        gr = self.graph_runner
-        if gr is None or meta.num_decodes != len(order) or len(order) > gr.max_batch:
+    def _decode_logits(self, order, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits of every row from a captured graph or the fused step when the step is all
+        decodes and its route takes the batch, else None (the module forward runs)."""
+        if meta.num_decodes != len(order):
             return None
         for seq, _ in order:
             if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 return None
-        return gr.run(ids, pos, meta)
+        gr = self.graph_runner
+        if gr is not None and len(order) <= gr.max_batch:
+            self.route_counts["graph"] += 1
+            return gr.run(ids, pos, meta)
+        step = self.decode_step
+        if step is not None and (step.max_batch is None or len(order) <= step.max_batch):
+            self.route_counts["fused"] += 1
+            return step(ids, pos, meta)
+        return None
 
     def _rows_to_keep(self, order, rows: list[int], tokens: int) -> list[int] | None:
         """The hidden rows a step needs (those it samples from), where the model can drop the

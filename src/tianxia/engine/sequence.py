@@ -34,7 +34,7 @@ class Sequence:
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
-        "grammar", "block_keys",
+        "grammar", "block_keys", "cache_salt",
     )
 
     def __init__(
@@ -57,7 +57,10 @@ class Sequence:
         self.block_table: list[int] = []
         # prefix-cache keys of the first full blocks (the block manager's chain; kept here because
         # a sliding window gives blocks back, and their keys with them, while the chain goes on)
-        self.block_keys: list[int] = []
+        self.block_keys: list[bytes] = []
+        # mixed into the first block's prefix-cache key: requests with different salts (tenants)
+        # never share cached blocks (vLLM's ``cache_salt``)
+        self.cache_salt = b""
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -86,6 +89,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_table = list(self.block_table)
         child.block_keys = list(self.block_keys)
+        child.cache_salt = self.cache_salt
         child.num_cached_tokens = self.num_cached_tokens
         child.arrival_time = self.arrival_time
         child.bad_words_ids = self.bad_words_ids

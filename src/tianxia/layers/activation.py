@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tianxia.quant.cpu_kernels import fused_ops
 
-
-def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation, written out as Hugging Face's ``NewGELUActivation`` does."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": gelu_new,
-    "gelu_fast": gelu_new,
+    # GPT-2's NewGELU is the tanh approximation written out: one fused kernel instead of eight
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
 

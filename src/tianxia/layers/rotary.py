@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tianxia.layers.attention.backend import triton_available
 from tianxia.quant.cpu_kernels import fused_ops
 
 
@@ -144,8 +145,10 @@ class RotaryEmbedding(nn.Module):
                 base = self.base * ratio ** (d / (d - 2))
                 inv_freq = self._base_inv_freq(base).to(positions.device)
                 return self._table(positions.float(), inv_freq)
-        if positions.numel():
+        if positions.numel() and positions.device.type == "cpu":
             self.ensure_positions(int(positions.max()))
+        # on a GPU the table was sized for the longest context at start-up (ensure_positions):
+        # reading the step's largest position back would sync the host, and break graph capture
         return self.cos_sin[positions]
 
     def ensure_positions(self, last: int) -> None:
@@ -162,6 +165,10 @@ class RotaryEmbedding(nn.Module):
         ext = fused_ops(q) if self.rope_type != "dynamic" and k.dtype == torch.float32 else None
         if ext is not None and ext.rope(q, k, positions, self.cos_sin, self.interleaved):
             return q, k  # rotated in place
+        if q.is_cuda and self.rope_type != "dynamic" and triton_available():
+            from tianxia.layers.attention.triton_rope import rope
+
+            return rope(q, k, positions, self.cos_sin, self.rotary_dim, self.interleaved)
         cos, sin = self._cos_sin(positions).chunk(2, dim=-1)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)

@@ -118,14 +118,16 @@ class FalconModel(nn.Module):
         )
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None):
         hidden = self.word_embeddings(input_ids)
         for layer, kv_cache in zip(self.h, kv_caches):
             hidden = layer(positions, hidden, kv_cache, meta)
-        return self.ln_f(hidden)
+        return self.ln_f(hidden if keep is None else hidden[keep])
 
 
 class FalconForCausalLM(nn.Module):
+    keeps_rows = True  # forward takes `keep`: only those rows' final hidden states are returned
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -134,8 +136,16 @@ class FalconForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False
         )
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(input_ids, positions, kv_caches, meta, keep)
+
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
+        return None  # the module forward is captured in CUDA graphs as it is
+
+    def cuda_graph_unsafe_reason(self) -> str | None:
+        if self.transformer.rotary.rope_type == "dynamic":
+            return "dynamic RoPE scaling recomputes its table from the step's longest position"
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.transformer.word_embeddings.weight if self.lm_head is None else self.lm_head.weight

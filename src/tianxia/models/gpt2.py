@@ -68,14 +68,16 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, backend) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None):
         hidden = self.wte(input_ids) + self.wpe(positions)
         for block, kv_cache in zip(self.h, kv_caches):
             hidden = block(hidden, kv_cache, meta)
-        return self.ln_f(hidden)
+        return self.ln_f(hidden if keep is None else hidden[keep])
 
 
 class GPT2LMHeadModel(nn.Module):
+    keeps_rows = True  # forward takes `keep`: only those rows' final hidden states are returned
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -84,8 +86,14 @@ class GPT2LMHeadModel(nn.Module):
             config.hidden_size, config.vocab_size, bias=False
         )
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(input_ids, positions, kv_caches, meta, keep)
+
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
+        return None  # the module forward is captured in CUDA graphs as it is
+
+    def cuda_graph_unsafe_reason(self) -> str | None:
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight

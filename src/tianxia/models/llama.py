@@ -24,6 +24,7 @@ into the fused ones (Phi-3 and GLM-4 checkpoints are already partly fused).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,8 +38,9 @@ from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
-from tianxia.models.cpu_decoder import FusedDecoder, unsupported_reason
 from tianxia.quant.packed import PackedWeight, stack_runs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -193,32 +195,16 @@ class LlamaModel(nn.Module):
         )
         self.rotary_embs = list(shared.values())
         self.norm = family.norm(config.hidden_size, config.rms_norm_eps)
-        # decode steps on CPU as one C++ call (see cpu_decoder); built on first use
         self.int8_activations = False
-        self.fused_decode = True  # False: every step takes the module path (tests compare the two)
-        self.num_fused_steps = 0
-        self._fused: FusedDecoder | None = None
-        self._fused_reason: str | None = None
 
-    def _fused_decoder(self, hidden, kv_caches, meta) -> FusedDecoder | None:
-        if not self.fused_decode or not FusedDecoder.applies(hidden, kv_caches, meta):
-            return None
-        if self._fused is None or self._fused.key != tuple(c.data_ptr() for c in kv_caches):
-            if self._fused_reason is None:
-                self._fused_reason = unsupported_reason(self) or ""
-            if self._fused_reason:
-                return None
-            self._fused = FusedDecoder(self, kv_caches, self.int8_activations)
-        return self._fused
-
-    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        fused = self._fused_decoder(hidden, kv_caches, meta)
-        if fused is not None:
-            self.num_fused_steps += 1
-            return fused(hidden, positions, meta)
+        return hidden
+
+    def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(input_ids)
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -276,7 +262,6 @@ class LlamaForCausalLM(nn.Module):
     @int8_activations.setter
     def int8_activations(self, value: bool) -> None:
         self.model.int8_activations = value
-        self.model._fused = None
         for module in self.modules():
             if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
                 module.int8 = value
@@ -297,6 +282,34 @@ class LlamaForCausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         for rotary in self.model.rotary_embs:
             rotary.build_cache(device)
+
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int):
+        """The fused decode step for the model's device: one C++ call per step on a CPU
+        (:mod:`tianxia.models.llama_cpu_step`), a few Triton kernels a layer on a GPU
+        (:mod:`tianxia.models.llama_gpu_step`); None (with the reason logged) where it does not
+        apply, and the engine runs the module forward instead."""
+        device = self.model.norm.weight.device
+        if device.type == "cpu":
+            from tianxia.models import llama_cpu_step as step
+
+            reason = step.unsupported_reason(self.model, kv_caches)
+            if reason is None:
+                return step.LlamaCpuStep(self, kv_caches, self.int8_activations)
+        elif device.type == "cuda":
+            from tianxia.models import llama_gpu_step as step
+
+            reason = step.unsupported_reason(self)
+            if reason is None:
+                return step.LlamaGpuStep(self, kv_caches, max_model_len)
+        else:
+            reason = f"no fused step for {device.type}"
+        logger.info("%s: no fused decode step (%s)", self.config.architecture, reason)
+        return None
+
+    def cuda_graph_unsafe_reason(self) -> str | None:
+        if any(r.rope_type == "dynamic" for r in self.model.rotary_embs):
+            return "dynamic RoPE scaling recomputes its table from the step's longest position"
+        return None
 
     def _shard_slices(self, fused_name: str, shard: int, dim0: int) -> slice:
         attn = self.model.layers[0].self_attn

@@ -4,7 +4,7 @@ Each row of a weight gets one float32 scale, ``W ~= q * scale[:, None]`` with ``
 max|W_row| / qmax`` (448 for e4m3, 127 for int8), so every row uses the full range of the narrow
 type. Decode is memory-bound, so halving the bytes read is what pays:
 
-- batch 1: the Triton GEMV of :mod:`tianxia.layers.attention.triton_ops` reads the narrow weight
+- batch 1: the Triton GEMV of :mod:`tianxia.layers.triton_linear` reads the narrow weight
   and applies the row scale once after its reduction (the CUDA-graph decode path uses it too);
 - larger batches, fp8 on Hopper/Ada: ``torch._scaled_mm`` on FP8 tensor cores, activations
   quantized per token on the fly (W8A8, rowwise scales), as vLLM's dynamic FP8 does;
@@ -77,7 +77,7 @@ class ChannelwiseLinear(nn.Module):
             # reference path: the quantized values, dequantized (what the kernels must equal)
             out = F.linear(x2, self.dequantized(x.dtype), self.bias)
         elif x2.shape[0] == 1:
-            from tianxia.layers.attention.triton_ops import gemv
+            from tianxia.layers.triton_linear import gemv
 
             out = gemv(x2, self.weight, self.bias, w_scale=self.weight_scale)
         elif self._scaled_mm_ok:
@@ -87,7 +87,7 @@ class ChannelwiseLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         else:
-            from tianxia.layers.attention.triton_ops import wq_matmul
+            from tianxia.layers.triton_linear import wq_matmul
 
             out = wq_matmul(x2, self.weight, self.weight_scale, self.bias)
         return out.reshape(*lead, self.out_features)
@@ -98,7 +98,7 @@ class ChannelwiseLinear(nn.Module):
 
 def _quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        from tianxia.layers.attention.triton_ops import quantize_rows_fp8
+        from tianxia.layers.triton_linear import quantize_rows_fp8
 
         return quantize_rows_fp8(x)
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / _QMAX["fp8"]

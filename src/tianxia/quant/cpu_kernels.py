@@ -5,14 +5,17 @@ decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged one-token attenti
 Llama-style model in one call (``decoder.cpp``).
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` (cached under
-``$TORCH_EXTENSIONS_DIR``, about 40 s the first time). Without AVX2 or a C++ compiler, the same
-products are computed by dequantizing in torch (correct, but slower and with a float32 copy of
-each weight while it is used).
+``$TORCH_EXTENSIONS_DIR``, a minute or two on 2 cores the first time). Its name carries a digest
+of the sources, their folder and the flags, so two installs on one machine each keep their own
+build instead of rebuilding over each other (torch keys a build directory by the name alone).
+Without AVX2 or a C++ compiler, the same products are computed by dequantizing in torch (correct,
+but slower and with a float32 copy of each weight while it is used).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -26,6 +29,18 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "fused_ops.cpp", "decoder.cpp"]
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+def _build_name() -> str:
+    """The extension's name: a digest of the sources' folder, every source and header, and the
+    flags (torch rebuilds a build directory whose recorded source paths changed)."""
+    h = hashlib.sha256(f"{_CSRC.resolve()} {' '.join(_CFLAGS)}".encode())
+    for f in sorted(_CSRC.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return f"tianxia_cpu_kernels_{h.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -39,10 +54,10 @@ def extension():
 
         t0 = time.perf_counter()
         ext = load(
-            name="tianxia_cpu_kernels",
+            name=_build_name(),
             sources=[str(_CSRC / f) for f in _SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

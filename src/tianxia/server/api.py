@@ -34,6 +34,7 @@ from tianxia.server.serving_models import ServingModels
 from tianxia.server.serving_native import ConcatenateRequest, GenerateRequest, SGLangServing
 from tianxia.server.serving_responses import OpenAIServingResponses
 from tianxia.server.serving_tokenize import OpenAIServingTokenization
+from tianxia.server.webui import build_router as build_webui_router
 
 _ENDPOINTS = {
     "/v1/completions",
@@ -70,12 +71,14 @@ class _APIKeyAndStats:
         metrics: ServerMetrics | None,
         max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         metrics_require_auth: bool = False,
+        page_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.open_paths = _OPEN_PATHS if metrics_require_auth else _OPEN_PATHS | {"/metrics"}
+        open_paths = _OPEN_PATHS if metrics_require_auth else _OPEN_PATHS | {"/metrics"}
+        self.open_paths = open_paths | page_paths  # the web page's static files need no key
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -390,6 +393,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_require_auth: bool = False,
     cors: CORSConfig | None = None,
+    webui: bool = True,
 ) -> FastAPI:
     engine = servings.engine
 
@@ -407,12 +411,17 @@ def build_app(
     app.state.servings = servings
     app.state.metrics = metrics
     install_handlers(app)
+    page_paths: frozenset[str] = frozenset()
+    if webui:
+        page_router, page_paths = build_webui_router()
+        app.include_router(page_router)
     app.add_middleware(
         _APIKeyAndStats,
         api_key=api_key,
         metrics=metrics,
         max_body_bytes=max_request_bytes,
         metrics_require_auth=metrics_require_auth,
+        page_paths=page_paths,
     )
     cors = cors or CORSConfig()
     # outermost (added last), so that refusals (401, 413) carry the CORS headers too and a

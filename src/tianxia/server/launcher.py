@@ -166,6 +166,12 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         "--disable-log-stats", action="store_true", help="no periodic throughput log lines"
     )
     p.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument(
+        "--webui",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the web chat page at / (default: on; --no-webui turns it off)",
+    )
     p.add_argument("--root-path", default=None, help="ASGI root_path, behind a path-based proxy")
     for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "headers")):
         p.add_argument(
@@ -409,6 +415,7 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         max_request_bytes=max_request_bytes,
         metrics_require_auth=args.metrics_require_auth,
         cors=_cors(args),
+        webui=args.webui,
     )
 
     config = uvicorn.Config(
@@ -464,6 +471,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         engine.max_model_len,
         ", API key required" if api_key else "",
     )
+    if args.webui:
+        logger.info("web page: http://%s:%d/", args.host, args.port)
     server.run()
     if engine_died or (server.started is False and not server.should_exit):
         return 1

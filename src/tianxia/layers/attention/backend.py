@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same as seq_lens
     block_size: int
+    # the decode attention's split count, fixed by a CUDA-graph capture (its grid cannot follow
+    # the context lengths); None: the backend picks it from seq_lens
+    num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -73,15 +77,13 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
     if name is None:
         name = "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
     if name == "triton":
-        from tianxia.build import configure_gpu_caches
-
-        configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
         from tianxia.layers.attention import triton_attention  # noqa: F401  (registers "triton")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
 
 
+@functools.cache
 def triton_available() -> bool:
     """Whether Triton can be imported (it ships with CUDA builds of PyTorch, not CPU ones)."""
     import importlib.util

@@ -27,14 +27,10 @@ import triton
 import triton.language as tl
 
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from tianxia.layers.triton_pointwise import tanh
+from tianxia.layers.triton_utils import interpreting
 
 _LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # --- KV write -------------------------------------------------------------------------------------
@@ -75,14 +71,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 # --- decode -----------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp, accurate in float32 and available in the interpreter
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 # Integer arguments that change from step to step are not specialized on (Triton compiles a variant
@@ -136,7 +124,7 @@ def _decode_kernel(
         else:
             qk = tl.dot(q, tl.trans(k))
         if HAS_SOFTCAP:
-            qk = softcap * _tanh(qk * scale / softcap) * 1.4426950408889634
+            qk = softcap * tanh(qk * scale / softcap) * 1.4426950408889634
         else:
             qk = qk * qk_scale
         qk = tl.where(tmask[None, :], qk, float("-inf"))
@@ -230,7 +218,7 @@ def decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HQ=HQ, HK=HK, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad, BS=bs,
         BLOCK_N=_DECODE_BLOCK_N, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=kv_cache.dtype == torch.float32 or _interpreting(),
+        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=kv_cache.dtype == torch.float32 or interpreting(),
         num_warps=4, num_stages=2,
     )
     if split:
@@ -296,7 +284,7 @@ def _prefill_kernel(
             else:
                 qk = tl.dot(q, tl.trans(k))
             if HAS_SOFTCAP:
-                qk = softcap * _tanh(qk * scale / softcap) * 1.4426950408889634
+                qk = softcap * tanh(qk * scale / softcap) * 1.4426950408889634
             else:
                 qk = qk * qk_scale
             visible = kmask[None, :] & (kp[None, :] <= qpos[:, None])
@@ -339,7 +327,7 @@ def prefill_attention(
     _, HQ, D = q.shape
     _, _, bs, HK, _ = kv_cache.shape
     d_pad = max(16, triton.next_power_of_2(D))
-    interp = _interpreting()
+    interp = interpreting()
     block_m = 16 if interp else (64 if d_pad <= 128 else 32)
     block_n = 16 if interp else (64 if d_pad <= 128 else 32)
     grid = (num_seqs, HQ, triton.cdiv(max_query_len, block_m))
@@ -349,7 +337,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HK=HK, G=HQ // HK, D=D, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_F32=kv_cache.dtype == torch.float32 or _interpreting(), num_warps=4, num_stages=2,
+        DOT_F32=kv_cache.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=2,
     )
     return out
 
@@ -365,20 +353,22 @@ class TritonAttention(AttentionBackend):
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        aux = _step_tensors(meta, q.device)
         nd = meta.num_decodes
         if nd:
-            max_ctx = max(meta.seq_lens[:nd])
-            if sliding_window is not None:
-                max_ctx = min(max_ctx, sliding_window)
-            splits = decode_num_splits(nd, k.shape[1], max_ctx)
+            splits = meta.num_splits
+            if splits is None:
+                max_ctx = max(meta.seq_lens[:nd])
+                if sliding_window is not None:
+                    max_ctx = min(max_ctx, sliding_window)
+                splits = decode_num_splits(nd, k.shape[1], max_ctx)
             decode_attention(
                 q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, splits,
                 out=out[:nd], sliding_window=sliding_window, softcap=softcap,
             )
         if meta.num_seqs > nd:
             prefill_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, aux, nd, meta.num_seqs - nd,
+                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, _step_tensors(meta, q.device), nd,
+                meta.num_seqs - nd,
                 aux_max_query_len(meta), scale, out, sliding_window=sliding_window, softcap=softcap,
             )
         return out

@@ -1,150 +1,22 @@
-"""Fused Triton ops of the CUDA decode path (:mod:`tianxia.engine.cuda_graph`).
+"""Triton matrix products of the GPU path: the batch-1 GEMV and the int8 / fp8 weight products.
 
-Each op reproduces the rounding of the eager PyTorch layers it replaces (bf16/fp16 storage between
-steps, float32 inside), so greedy decoding follows the same tokens:
-
-- ``add_rmsnorm``: residual add + RMSNorm in one pass (:class:`tianxia.layers.norm.RMSNorm`).
-- ``silu_mul``: ``silu(gate) * up`` (:class:`tianxia.layers.activation.SiluAndMul`).
-- ``rope_write_kv``: rotate-half RoPE of q and k from a fused qkv row, k and v written straight
-  into the paged cache (slots below zero skipped), q returned.
 - ``gemv``: batch-1 ``x @ W.T`` for the memory-bound decode step, each program reading
   ``BLOCK_N`` whole rows of W, with fused prologues (RMSNorm, or residual add + RMSNorm, of x:
   the block's rows need the whole of x anyway) and epilogues (bias, ``silu(gate) * up`` over the
   two halves of a fused gate/up weight). That removes the norm and activation launches of a layer
   and their round trips through memory. Block shapes are autotuned per (N, K) on the GPU.
+- ``wq_matmul``: ``x @ (w * scale).T`` with an int8 or float8 weight widened in registers.
+- ``quantize_rows_fp8``: per-row float8 activations for W8A8 products, in one launch.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# --- residual add + RMSNorm -------------------------------------------------------------------------
-
-
-@triton.jit
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, eps, N,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + row * N + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(rout_ptr + row * N + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    hn = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``RMSNorm(x + residual)`` and the new residual (``x`` itself when ``residual`` is None)."""
-    M, N = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    rout = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(N)
-    _add_rmsnorm_kernel[(M,)](
-        x, residual.contiguous() if residual is not None else x, weight, out, rout, float(eps), N,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-    )
-    return out, rout
-
-
-# --- silu(gate) * up ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(x_ptr + row * 2 * N + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * 2 * N + N + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    M, N2 = x.shape
-    N = N2 // 2
-    x = x.contiguous()
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(N))
-    _silu_mul_kernel[(M, triton.cdiv(N, block))](x, out, N, BLOCK=block, num_warps=4)
-    return out
-
-
-# --- RoPE + KV write ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_out_ptr,
-                          HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
-                          HK_PAD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          HALF_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, HALF_PAD)
-    jm = j < HALF
-    cos = tl.load(cs_ptr + pos * 2 * HALF + j, mask=jm, other=0.0)[None, :]
-    sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + j, mask=jm, other=0.0)[None, :]
-    row = qkv_ptr + t * ((HQ + 2 * HK) * D)
-
-    hq = tl.arange(0, HQ_PAD)
-    qm = (hq < HQ)[:, None] & jm[None, :]
-    q1 = tl.load(row + hq[:, None] * D + j[None, :], mask=qm, other=0.0).to(tl.float32)
-    q2 = tl.load(row + hq[:, None] * D + HALF + j[None, :], mask=qm, other=0.0).to(tl.float32)
-    qo = q_out_ptr + t * HQ * D + hq[:, None] * D + j[None, :]
-    tl.store(qo, (q1 * cos - q2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
-    tl.store(qo + HALF, (q2 * cos + q1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
-
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        hk = tl.arange(0, HK_PAD)
-        km = (hk < HK)[:, None] & jm[None, :]
-        kb = row + HQ * D + hk[:, None] * D + j[None, :]
-        k1 = tl.load(kb, mask=km, other=0.0).to(tl.float32)
-        k2 = tl.load(kb + HALF, mask=km, other=0.0).to(tl.float32)
-        # k rounds to the model dtype first, as the eager rotary returns it, then to the cache's
-        kdt = qkv_ptr.dtype.element_ty
-        cdt = kc_ptr.dtype.element_ty
-        ko = kc_ptr + slot * HK * D + hk[:, None] * D + j[None, :]
-        tl.store(ko, (k1 * cos - k2 * sin).to(kdt).to(cdt), mask=km)
-        tl.store(ko + HALF, (k2 * cos + k1 * sin).to(kdt).to(cdt), mask=km)
-        vb = row + (HQ + HK) * D + hk[:, None] * D + j[None, :]
-        vo = vc_ptr + slot * HK * D + hk[:, None] * D + j[None, :]
-        tl.store(vo, tl.load(vb, mask=km, other=0.0).to(cdt), mask=km)
-        tl.store(vo + HALF, tl.load(vb + HALF, mask=km, other=0.0).to(cdt), mask=km)
-
-
-def rope_write_kv(qkv, positions, cos_sin, kv_cache, slots, num_heads, num_kv_heads, head_dim):
-    """``qkv`` [T, (Hq + 2 Hk) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache.
-
-    ``cos_sin`` is the rotary table ``[max_pos, D]`` (cos in the first half, sin in the second),
-    float32, covering every position passed.
-    """
-    T = qkv.shape[0]
-    q_out = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    half = head_dim // 2
-    _rope_write_kv_kernel[(T,)](
-        qkv.contiguous(), positions, cos_sin, kv_cache[0], kv_cache[1], slots, q_out,
-        HQ=num_heads, HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
-        HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), num_warps=4,
-    )
-    return q_out
+from tianxia.layers.triton_pointwise import ACTIVATIONS, gated, normed
+from tianxia.layers.triton_utils import interpreting
 
 
 # --- batch-1 GEMV with fused prologue / epilogue ------------------------------------------------------
@@ -152,9 +24,9 @@ def rope_write_kv(qkv, positions, cos_sin, kv_cache, slots, num_heads, num_kv_he
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, eps, N, K,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 EVEN_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr, ACT: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -194,7 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
                 nw = tl.load(nw_ptr + ks)
             else:
                 nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
-            xv = (nw.to(tl.float32) * (xv.to(tl.float32) * rstd).to(xdt).to(tl.float32)).to(xdt)
+            xv = normed(xv.to(tl.float32), rstd, nw, GEMMA, xdt)
         xf = xv.to(tl.float32)[None, :]
         if EVEN_K:
             wmask = nmask[:, None]
@@ -202,7 +74,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
             wmask = nmask[:, None] & (ks < K)[None, :]
         w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0)
         acc += w.to(tl.float32) * xf
-        if SILU:
+        if ACT > 0:
             w2 = tl.load(w_rows + N * K + ks[None, :], mask=wmask, other=0.0)
             acc2 += w2.to(tl.float32) * xf
     y = tl.sum(acc, 1)
@@ -212,13 +84,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     odt = out_ptr.dtype.element_ty
-    if SILU:
+    if ACT > 0:
         g = y.to(odt).to(tl.float32)
         u = tl.sum(acc2, 1)
         if HAS_SCALE:
             u *= tl.load(s_ptr + N + rn, mask=nmask, other=0.0)
         u = u.to(odt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(odt).to(tl.float32)
+        s = gated(g, ACT).to(odt).to(tl.float32)
         y = s * u
     tl.store(out_ptr + rn, y.to(odt), mask=nmask)
 
@@ -250,19 +122,20 @@ def _bench(fn, quantiles):
 
 
 _gemv_tuned = triton.autotune(
-    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "SILU", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
+    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "GEMMA", "ACT", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
     cache_results=True,
 )(_gemv_fixed)
 
 
 def gemv(
     x: torch.Tensor,  # [1, K]
-    w: torch.Tensor,  # [N, K], or [2N, K] (gate rows, then up rows) with act="silu_mul"
+    w: torch.Tensor,  # [N, K], or [2N, K] (gate rows, then up rows) with ``act``
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    gemma_norm: bool = False,
     act: str | None = None,
     w_scale: torch.Tensor | None = None,  # [N] (or [2N]) float32, for an int8 / fp8 ``w``
     block_n: int | None = None,
@@ -272,13 +145,15 @@ def gemv(
 
     An int8 or float8 ``w`` comes with ``w_scale``, its per-row scales (``W = w * w_scale[:, None]``):
     the kernel reads the narrow weight, which is what makes quantized decode faster.
-    With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given), and the
-    call returns ``(out, new_residual)``; otherwise ``out``.
+    With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given; Gemma's
+    offset weight with ``gemma_norm``), and the call returns ``(out, new_residual)``; otherwise
+    ``out``. With ``act`` (``"silu"`` or ``"gelu_pytorch_tanh"``) ``w`` holds gate and up rows and
+    the output is ``act(gate) * up``.
     """
     assert x.shape[0] == 1 and w.is_contiguous()
     K = x.shape[1]
-    silu = act == "silu_mul"
-    N = w.shape[0] // (2 if silu else 1)
+    gated_act = 0 if act is None else ACTIVATIONS[act]
+    N = w.shape[0] // (2 if gated_act else 1)
     x = x.contiguous()
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     norm = 0 if norm_weight is None else (2 if residual is not None else 1)
@@ -289,9 +164,11 @@ def gemv(
         norm_weight if norm_weight is not None else w,
         w_scale if w_scale is not None else x, float(eps), N, K,
     )
-    flags = dict(HAS_BIAS=bias is not None, NORM=norm, SILU=silu, HAS_SCALE=w_scale is not None)
-    if block_n is not None or _interpreting():
-        bn, bk = block_n or 8, block_k or 128
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm, GEMMA=gemma_norm, ACT=gated_act,
+                 HAS_SCALE=w_scale is not None)
+    if block_n is not None or interpreting():
+        # the interpreter runs each program in turn: few, wide ones
+        bn, bk = block_n or (64 if interpreting() else 8), block_k or 128
         _gemv_fixed[(triton.cdiv(N, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     else:
         _gemv_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
@@ -359,7 +236,7 @@ def wq_matmul(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             min(triton.next_power_of_2(max(M, 1)), 1024))
     # float32 activations keep float32 products (torch's matmul default), not TF32's 10-bit mantissa
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    if _interpreting():
+    if interpreting():
         bm, bn, bk = 16, 32, 32
         _wq_matmul_kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
             *args, HAS_BIAS=bias is not None, PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4)

@@ -1,10 +1,11 @@
 """The whole decode step of a Llama-style model as one C++ call on CPU (``quant/csrc/decoder.cpp``).
 
 A decode step of a small model on a CPU is dominated by dispatch, not arithmetic: a dozen torch
-calls per layer, each a few microseconds of Python and a parallel region. :class:`FusedDecoder`
+calls per layer, each a few microseconds of Python and a parallel region. :class:`LlamaCpuStep`
 hands the layers' weights (packed or float32) and KV caches to the C++ decoder once; each step of
-single-token decodes is then one call. Steps with prefill chunks, and models or settings it does
-not cover (listed by :func:`unsupported_reason`), take the module path.
+single-token decodes is then one call (plus the embedding lookup and the logits). The model runner
+takes it for steps of at most ``MAX_FUSED_BATCH`` decodes; steps with prompt chunks, and models or
+settings it does not cover (listed by :func:`unsupported_reason`), take the module path.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ MAX_FUSED_BATCH = 16
 _EMPTY = torch.empty(0)
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+def unsupported_reason(model: nn.Module, kv_caches: list[torch.Tensor]) -> str | None:
     """Why ``model`` (a :class:`~tianxia.models.llama.LlamaModel`) cannot run fused, or None."""
     if cpu_kernels.extension() is None:
         return "the CPU kernels are not available"
+    if model.norm.weight.dtype != torch.float32:
+        return "the model dtype is not float32"
+    if kv_caches[0].dtype not in cpu_kernels.CACHE_DTYPES:
+        return f"the KV cache dtype {kv_caches[0].dtype} (the fused step reads float32 or float16)"
     for rotary in model.rotary_embs:
         if rotary.rope_type == "dynamic":
             return "dynamic RoPE scaling recomputes the table per step"
@@ -70,21 +75,27 @@ def _linear_args(proj: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
     return tensors, formats
 
 
-class FusedDecoder:
+class LlamaCpuStep:
+    """A :class:`~tianxia.models.base.DecodeStep` over a LlamaForCausalLM's weights and KV caches."""
+
+    max_batch = MAX_FUSED_BATCH
+    variants = ()
+
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], int8: bool) -> None:
         ext = cpu_kernels.extension()
-        first = model.layers[0]
+        self.lm = model
+        inner = model.model
+        first = inner.layers[0]
         attn, mlp = first.self_attn, first.mlp
-        offset = 1.0 if isinstance(model.norm, GemmaRMSNorm) else 0.0
-        self.rotary = model.rotary_embs
-        self.key = tuple(c.data_ptr() for c in kv_caches)
+        offset = 1.0 if isinstance(inner.norm, GemmaRMSNorm) else 0.0
+        self.rotary = inner.rotary_embs
         self.decoder = ext.Decoder(
-            model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            mlp.down_proj.in_features, model.norm.eps, offset, attn.scale, attn.softcap or 0.0,
+            inner.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            mlp.down_proj.in_features, inner.norm.eps, offset, attn.scale, attn.softcap or 0.0,
             first.sandwich, isinstance(mlp.act, ActAndMul), attn.rotary_emb.interleaved, int8,
-            model.norm.weight.data.float(),
+            inner.norm.weight.data.float(),
         )
-        for layer, cache in zip(model.layers, kv_caches):
+        for layer, cache in zip(inner.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             linears, formats = [], []
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -99,19 +110,14 @@ class FusedDecoder:
             self.decoder.add_layer(linears, formats, norms, cache, self.rotary.index(attn.rotary_emb),
                                    attn.sliding_window or 0)
 
-    @staticmethod
-    def applies(hidden: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> bool:
-        return (
-            hidden.device.type == "cpu"
-            and hidden.dtype == torch.float32
-            and not torch.is_grad_enabled()
-            and meta.num_decodes == meta.num_seqs == hidden.shape[0] <= MAX_FUSED_BATCH
-            and kv_caches[0].dtype in cpu_kernels.CACHE_DTYPES
-        )
+    def set_variant(self, name: str) -> None:
+        raise ValueError(f"the CPU decode step has no variant {name!r}")
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.lm.model.embed(input_ids)
         last = int(positions.max())
         for rotary in self.rotary:
             rotary.ensure_positions(last)
-        return self.decoder.forward(hidden, positions, meta.slot_mapping, meta.block_tables,
-                                    meta.seq_lens_tensor, [r.cos_sin for r in self.rotary])
+        hidden = self.decoder.forward(hidden, positions, meta.slot_mapping, meta.block_tables,
+                                      meta.seq_lens_tensor, [r.cos_sin for r in self.rotary])
+        return self.lm.compute_logits(hidden)

@@ -1,0 +1,62 @@
+"""What the engine may ask of a model: the seam between ``engine/`` and ``models/``.
+
+The engine never imports a model class. It loads a model through the registry and talks to it
+through :class:`CausalLM`; a family that has a faster way to run a step where every sequence
+decodes one token offers it as a :class:`DecodeStep` (``fast_decode_step``), and the model runner
+is the one place that picks the route of each step:
+
+- the family's fused step, replayed from a CUDA graph on a GPU (or called directly on a CPU);
+- the model's own forward plus ``compute_logits``, captured in a CUDA graph, for a family that
+  has no fused step (every family we load is graph-safe unless ``cuda_graph_unsafe_reason`` says
+  otherwise);
+- the module forward, eagerly (prompt chunks, mixed steps, ``--enforce-eager``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tianxia.layers.attention import AttentionMetadata
+
+
+@runtime_checkable
+class DecodeStep(Protocol):
+    """A family's fused forward for a batch of single-token decodes: token ids and positions in,
+    float32 logits ``[B, vocab]`` out, the new K/V written to the cache at ``meta.slot_mapping``.
+
+    Padding rows (a CUDA-graph batch rounded up) have slot -1 and length 0: nothing is written and
+    their logits are ignored. ``meta.num_splits`` fixes the decode attention's split count when a
+    graph is captured (its grid must not depend on the context lengths).
+    """
+
+    #: largest batch the step takes (None: any); larger decode batches take the module forward
+    max_batch: int | None
+    #: batch-1 variants a CUDA-graph runner may capture and time, keeping the fastest
+    #: (e.g. ``("gemv", "cublas")``); empty when there is one way to run
+    variants: tuple[str, ...]
+
+    def set_variant(self, name: str) -> None: ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+class CausalLM(Protocol):
+    """The calls the engine makes on a loaded model (every class in ``models/`` provides them)."""
+
+    #: whether ``forward`` takes ``keep`` (rows to carry through the last layer's MLP)
+    keeps_rows: bool
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
+        """The family's fused decode step for these caches on the model's device, or None."""
+
+    def cuda_graph_unsafe_reason(self) -> str | None:
+        """Why the module forward cannot be captured in a CUDA graph (a host sync or a
+        data-dependent shape in a decode step), or None when it can."""
