@@ -750,3 +750,21 @@ def test_bench_serve_with_vllms_flags_and_openai_api_key(server, tmp_path):
                          env={**env, "OPENAI_API_KEY": "wrong"})
     assert bad.returncode == 1, bad.stdout[-1000:]
     assert "no request succeeded (3 failed)" in bad.stderr and "HTTP 401" in bad.stderr
+
+
+def test_cache_salt_keeps_tenants_apart(client, http):
+    """vLLM's ``cache_salt`` request field: the same prompt under another salt hits no cached
+    block (``vllm:prefix_cache_hits`` stays), under the same salt it does; an empty salt is a 400."""
+    messages = [{"role": "user", "content": "Keep the tenants apart, please. " * 12}]
+
+    def hits_after(salt: str) -> float:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
+                                       extra_body={"cache_salt": salt})
+        return metric(http.get("/metrics").text, "vllm:prefix_cache_hits_total", model_name=MODEL) or 0.0
+
+    first = hits_after("tenant-a")
+    assert hits_after("tenant-b") == first  # another tenant's prompt: computed again
+    assert hits_after("tenant-a") > first  # the same tenant: its blocks come from the cache
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"

@@ -73,6 +73,8 @@ class _SamplingFields(_Base):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's: mixed into the prefix-cache key, so requests with other salts share no cached blocks
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=512)
 
 
 class CompletionRequest(_SamplingFields):

@@ -233,6 +233,7 @@ class Prepared:
     error_param: str = "prompt"  # the field named by an error raised when the request is added
     echo_text: str = ""  # chat ``echo``: the last message's content, sent before the reply
     prompt_logprobs_start: int | None = None  # prompt logprobs only from this position on
+    cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's ``cache_salt``)
 
 
 @dataclass
@@ -538,6 +539,8 @@ class OpenAIServing:
                     prompt["prompt"] = text
                 if prep.prompt_logprobs_start:
                     prompt["prompt_logprobs_start"] = prep.prompt_logprobs_start
+                if prep.cache_salt is not None:
+                    prompt["cache_salt"] = prep.cache_salt
                 q = await self.engine.add_request(sub, prompt, params)
                 added.append((sub, q))
         except BaseException as e:

@@ -88,6 +88,7 @@ class OpenAIServingChat(OpenAIServing):
             tools=tools,
             error_param="tools" if schema is not None else "prompt",
             echo_text=self._echo_text(req),
+            cache_salt=req.cache_salt,
         )
 
     def _echo_text(self, req: ChatCompletionRequest) -> str:

@@ -84,6 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             echo,
             bool(opts and opts.include_usage),
             bool(opts and opts.continuous_usage_stats),
+            cache_salt=req.cache_salt,
         )
 
     # --- logprobs -----------------------------------------------------------------------------
