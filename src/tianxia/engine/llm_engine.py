@@ -18,6 +18,7 @@ from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_pe
 from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence, SequenceStatus
 from tianxia.layers.attention import get_backend
+from tianxia.layers.linear import use_row_invariant_linears
 from tianxia.loader import load_model
 from tianxia.outputs import CompletionOutput, Logprob, RequestOutput
 from tianxia.sampling_params import SamplingParams
@@ -150,7 +151,7 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     torch.cuda.empty_cache()
     vocab = model_config.vocab_size
     sampler = 4 * sched.max_num_seqs * vocab * 4  # float32 logits, probabilities, sort buffers
-    graphs = 0 if config.enforce_eager else sched.max_num_seqs * vocab * 6 + (256 << 20)
+    graphs = 0 if config.enforce_eager or config.batch_invariant else sched.max_num_seqs * vocab * 6 + (256 << 20)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights, the CUDA context, other processes
     kv = int(frac * total) - in_use - activations - sampler - graphs
@@ -209,6 +210,12 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
+        if self.device.type == "cpu":  # float products that do not depend on the batch
+            use_row_invariant_linears(loaded.model)
+        elif config.batch_invariant and self.device.type == "cuda":
+            from tianxia.layers.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(loaded.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = config.chat_template or loaded.chat_template
@@ -245,7 +252,9 @@ class LLMEngine:
         # the most tokens' worth of blocks one sequence holds
         longest = max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)
         if self.device.type == "cuda":
-            setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
+            # the captured decode step has kernels of its own: none in the batch-invariant mode
+            eager = config.enforce_eager or config.batch_invariant
+            setup_cuda_graphs(self.runner, sched.max_num_seqs, max_len, eager)
         from dataclasses import replace
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)

@@ -3,8 +3,10 @@
 A decode step of a small model on a CPU is dominated by dispatch, not arithmetic: a dozen torch
 calls per layer, each a few microseconds of Python and a parallel region. :class:`FusedDecoder`
 hands the layers' weights (packed or float32) and KV caches to the C++ decoder once; each step of
-single-token decodes is then one call. Steps with prefill chunks, and models or settings it does
-not cover (listed by :func:`unsupported_reason`), take the module path.
+single-token decodes, of any batch, is then one call. Steps with prefill chunks, and models or
+settings it does not cover (listed by :func:`unsupported_reason`), take the module path, which
+runs the same kernels in the same order (products, norms, RoPE, attention, activation), so a
+token's numbers do not depend on which of the two computed its step.
 """
 
 from __future__ import annotations
@@ -17,10 +19,6 @@ from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.quant import cpu_kernels
-
-# Beyond this many sequences the prefill matmul (dequantized tiles and BLAS) beats re-reading the
-# packed weights once per 8 rows.
-MAX_FUSED_BATCH = 16
 
 _EMPTY = torch.empty(0)
 
@@ -105,7 +103,7 @@ class FusedDecoder:
             hidden.device.type == "cpu"
             and hidden.dtype == torch.float32
             and not torch.is_grad_enabled()
-            and meta.num_decodes == meta.num_seqs == hidden.shape[0] <= MAX_FUSED_BATCH
+            and meta.num_decodes == meta.num_seqs == hidden.shape[0]
             and kv_caches[0].dtype in cpu_kernels.CACHE_DTYPES
         )
 
