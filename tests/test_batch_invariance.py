@@ -56,7 +56,7 @@ def check_invariance(model: str, **kwargs) -> None:
     del plain
     # chunks of at most 24 tokens, a cache too small for every request at once (preemption), and
     # the prefix cache (the shared question prefix; the second round finds more)
-    tight = LLM(model, max_num_batched_tokens=24, num_kv_blocks=24, max_model_len=512, **kwargs)
+    tight = LLM(model, max_num_batched_tokens=24, num_kv_blocks=12, max_model_len=192, **kwargs)
     assert answers(tight, REQUESTS) == alone, "chunked, preempted"
     assert tight.engine.scheduler.num_preemptions > 0
     hits = tight.engine.block_manager.prefix_hits
@@ -70,9 +70,9 @@ def test_smollm2_answers_do_not_depend_on_batch_chunks_cache_or_preemption(smoll
     check_invariance(str(smollm2_path), cpu_activations=activations)
 
 
-@pytest.mark.parametrize("activations", ["int8", "float32"])
-def test_qwen_answers_do_not_depend_on_batch_chunks_cache_or_preemption(qwen_path, activations):
-    check_invariance(str(qwen_path), cpu_activations=activations)
+def test_qwen_answers_do_not_depend_on_batch_chunks_cache_or_preemption(qwen_path):
+    # (the float path of each of its layouts: tests/test_quant_linear.py)
+    check_invariance(str(qwen_path))
 
 
 def test_float_weights_answers_do_not_depend_on_batch_chunks_cache_or_preemption(tiny_models):

@@ -45,21 +45,21 @@ logger = logging.getLogger(__name__)
 # --- matmul -----------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "num_programs"])
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, alpha, beta,
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, alpha, beta, num_programs,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn,
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m_count = tl.cdiv(M, BLOCK_M)
     pid_n_count = tl.cdiv(N, BLOCK_N)
     tiles = pid_m_count * pid_n_count
     k_steps = tl.cdiv(K, BLOCK_K)
     rk = tl.arange(0, BLOCK_K)
-    # persistent: each program walks tiles NUM_PROGRAMS apart, in groups of GROUP_M row tiles
+    # persistent: each program walks tiles num_programs apart, in groups of GROUP_M row tiles
     # for L2 reuse of the weight; a tile's order over K never changes
-    for tile in range(tl.program_id(0), tiles, NUM_PROGRAMS):
+    for tile in range(tl.program_id(0), tiles, num_programs):
         group = tile // (GROUP_M * pid_n_count)
         first_m = group * GROUP_M
         group_rows = tl.minimum(pid_m_count - first_m, GROUP_M)
@@ -117,11 +117,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, a
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     programs = min(_num_programs(a.device), tiles)
     _matmul_kernel[(programs,)](
-        a, b, c, bias if bias is not None else c, M, N, K, float(alpha), float(beta),
+        a, b, c, bias if bias is not None else c, M, N, K, float(alpha), float(beta), programs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
         HAS_BIAS=bias is not None, DOT_F32=dot_f32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        NUM_PROGRAMS=programs, num_warps=8 if not interp else 1, num_stages=3 if not interp else 1,
+        num_warps=8 if not interp else 1, num_stages=3 if not interp else 1,
     )
     return c
 

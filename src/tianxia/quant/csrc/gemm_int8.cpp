@@ -179,7 +179,7 @@ struct PackedCodes {
   }
 };
 
-// acc[m]: rows m of the panel against one quad of weight rows, over all blocks. The four maddubs
+// acc[q][m]: rows m of the panel against Q quads of weight rows, over all blocks. The four maddubs
 // products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
 // while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
 // fit for codes up to 31 (4- and 5-bit: 31496 < 2^15) and two for 6-bit codes. Unpacking
@@ -187,52 +187,58 @@ struct PackedCodes {
 // (two for 6-bit codes) where each product took its own: 3-12% faster than four madds.
 // MINS: the second multiply-add (weights with mins or offset codes; 8-bit codes without mins
 // have none). This is the integer path's register tile: every product, of any number of rows,
-// goes through it.
-template <int BITS, int MR, bool MINS, typename Codes>
-inline void quad_rows(const Codes& codes, const float* factors, const uint8_t* panel, int64_t nb, __m256 acc[MR]) {
+// goes through it. Q = 2 (one or two activation rows) keeps two independent chains of
+// multiply-adds in flight, where one would wait out their latency at every block; each quad's
+// outputs take the same operations either way.
+template <int BITS, int MR, bool MINS, int Q, typename Codes>
+inline void quad_rows(const Codes* codes, const float* const* factors, const uint8_t* panel, int64_t nb,
+                      __m256 acc[Q][MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, factors += 16, panel += kPanelBlock<MR>) {
-    __m256i w[4];
-    codes.load(b, w);
-    const __m256 sv = _mm256_loadu_ps(factors), cv = _mm256_loadu_ps(factors + 8);
+  for (int q = 0; q < Q; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, panel += kPanelBlock<MR>) {
     const float* d = reinterpret_cast<const float*>(panel + MR * 32);
-    if constexpr (BITS == 8) {
-      // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
-      // activation row; a pair sum reaches 2 * 128 * 127, so each product is widened to 32 bits
-      // before the fold
-      const __m256i a0 = _mm256_abs_epi8(w[0]), a1 = _mm256_abs_epi8(w[1]), a2 = _mm256_abs_epi8(w[2]),
-                    a3 = _mm256_abs_epi8(w[3]);
+    for (int q = 0; q < Q; ++q) {
+      __m256i w[4];
+      codes[q].load(b, w);
+      const __m256 sv = _mm256_loadu_ps(factors[q] + b * 16), cv = _mm256_loadu_ps(factors[q] + b * 16 + 8);
+      if constexpr (BITS == 8) {
+        // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
+        // activation row; a pair sum reaches 2 * 128 * 127, so each product is widened to 32
+        // bits before the fold
+        const __m256i a0 = _mm256_abs_epi8(w[0]), a1 = _mm256_abs_epi8(w[1]), a2 = _mm256_abs_epi8(w[2]),
+                      a3 = _mm256_abs_epi8(w[3]);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w[0])), ones);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w[1])), ones);
+          const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x, w[2])), ones);
+          const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_sign_epi8(x, w[3])), ones);
+          const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+          const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+          const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+          acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
+          if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
+        }
+        continue;
+      }
       for (int m = 0; m < MR; ++m) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w[0])), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w[1])), ones);
-        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x, w[2])), ones);
-        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_sign_epi8(x, w[3])), ones);
-        const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-        const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
-        if constexpr (MINS) acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[m]);
+        const __m256i p0 = _mm256_maddubs_epi16(w[0], x), p1 = _mm256_maddubs_epi16(w[1], x);
+        const __m256i p2 = _mm256_maddubs_epi16(w[2], x), p3 = _mm256_maddubs_epi16(w[3], x);
+        __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+        __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+        __m256i h;
+        if constexpr (BITS <= 5) {
+          h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
+        } else {
+          e = _mm256_madd_epi16(e, ones);
+          o = _mm256_madd_epi16(o, ones);
+          h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+        }
+        acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
+        if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
       }
-      continue;
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-      const __m256i p0 = _mm256_maddubs_epi16(w[0], x), p1 = _mm256_maddubs_epi16(w[1], x);
-      const __m256i p2 = _mm256_maddubs_epi16(w[2], x), p3 = _mm256_maddubs_epi16(w[3], x);
-      __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-      __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-      __m256i h;
-      if constexpr (BITS <= 5) {
-        h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
-      } else {
-        e = _mm256_madd_epi16(e, ones);
-        o = _mm256_madd_epi16(o, ones);
-        h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-      }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
-      if constexpr (MINS) acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[m]);
     }
   }
 }
@@ -261,39 +267,50 @@ template <int BITS, int MR, bool MINS>
 void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
                   float* out, int64_t N) {
   for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
-    __m256 acc[MR];
-    quad_rows<BITS, MR, MINS>(WidenedCodes{t.codes.data() + q * nb * 128}, t.factors.data() + q * nb * 16, panel, nb,
-                              acc);
-    store_quad<MR>(acc, std::min<int64_t>(4, t.rows - 4 * q), m0, n0 + 4 * q, bias, out, N);
+    __m256 acc[1][MR];
+    const WidenedCodes codes{t.codes.data() + q * nb * 128};
+    const float* factors = t.factors.data() + q * nb * 16;
+    quad_rows<BITS, MR, MINS, 1>(&codes, &factors, panel, nb, acc);
+    store_quad<MR>(acc[0], std::min<int64_t>(4, t.rows - 4 * q), m0, n0 + 4 * q, bias, out, N);
   }
 }
 
-// One quad (rows n..n+rows-1) against every panel, its codes unpacked in registers for each
-template <int BITS, bool MINS, typename S>
-void direct_quad(const Packed& w, int64_t n, int64_t rows, const uint8_t* panels, int64_t full, int64_t rest,
-                 int64_t span, const float* bias, float* out, std::vector<float>& factors) {
+// Q quads (rows n..n+rows-1, rows <= 4Q) against every panel, their codes unpacked in registers
+template <int BITS, int MR, bool MINS, int Q, typename S>
+void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel, int64_t m0, const float* bias,
+                  float* out, std::vector<float>& buffer) {
   const int64_t nb = w.K / 32;
-  factors.resize(nb * 16);
-  quad_factors<BITS, S>(w, n, rows, factors.data());
-  PackedCodes<BITS> codes;
-  for (int j = 0; j < 4; ++j) codes.row[j] = w.qs + (n + std::min<int64_t>(j, rows - 1)) * w.row_bytes();
-  for (int64_t c = 0; c < full; ++c) {
-    __m256 acc[kTileRows];
-    quad_rows<BITS, kTileRows, MINS>(codes, factors.data(), panels + c * span, nb, acc);
-    store_quad<kTileRows>(acc, rows, kTileRows * c, n, bias, out, w.N);
+  buffer.resize(Q * nb * 16);
+  PackedCodes<BITS> codes[Q];
+  const float* factors[Q];
+  for (int q = 0; q < Q; ++q) {
+    const int64_t n0 = std::min(n + 4 * q, n + rows - 1), left = std::max<int64_t>(0, std::min<int64_t>(4, rows - 4 * q));
+    quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
+    factors[q] = buffer.data() + q * nb * 16;
+    for (int j = 0; j < 4; ++j) codes[q].row[j] = w.qs + std::min(n0 + j, n + rows - 1) * w.row_bytes();
   }
+  __m256 acc[Q][MR];
+  quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  for (int q = 0; q < Q && 4 * q < rows; ++q)
+    store_quad<MR>(acc[q], std::min<int64_t>(4, rows - 4 * q), m0, n + 4 * q, bias, out, w.N);
+}
+
+// weight rows n0..n1 against every panel of a few activation rows: two quads at a time for one
+// or two rows (two chains of multiply-adds in flight), one for more
+template <int BITS, bool MINS, typename S>
+void direct_rows(const Packed& w, int64_t n0, int64_t n1, const uint8_t* panels, int64_t full, int64_t rest,
+                 int64_t span, const float* bias, float* out, std::vector<float>& buffer) {
+  constexpr int R = kTileRows;
+  for (int64_t c = 0; c < full; ++c)
+    for (int64_t n = n0; n < n1; n += 4)
+      direct_quads<BITS, R, MINS, 1, S>(w, n, std::min<int64_t>(4, n1 - n), panels + c * span, R * c, bias, out, buffer);
   const uint8_t* p = panels + full * span;
-  const int64_t m0 = kTileRows * full;
-  __m256 acc[3];
-  if (rest == 3) {
-    quad_rows<BITS, 3, MINS>(codes, factors.data(), p, nb, acc);
-    store_quad<3>(acc, rows, m0, n, bias, out, w.N);
-  } else if (rest == 2) {
-    quad_rows<BITS, 2, MINS>(codes, factors.data(), p, nb, acc);
-    store_quad<2>(acc, rows, m0, n, bias, out, w.N);
-  } else if (rest == 1) {
-    quad_rows<BITS, 1, MINS>(codes, factors.data(), p, nb, acc);
-    store_quad<1>(acc, rows, m0, n, bias, out, w.N);
+  const int64_t m0 = R * full;
+  for (int64_t n = n0; n < n1; n += rest <= 2 ? 8 : 4) {
+    const int64_t rows = std::min<int64_t>(rest <= 2 ? 8 : 4, n1 - n);
+    if (rest == 3) direct_quads<BITS, 3, MINS, 1, S>(w, n, rows, p, m0, bias, out, buffer);
+    else if (rest == 2) direct_quads<BITS, 2, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
+    else if (rest == 1) direct_quads<BITS, 1, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
   }
 }
 
@@ -330,10 +347,9 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
     const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       thread_local std::vector<float> factors;
-      for (int64_t i; (i = next.fetch_add(1)) < shares;) {
-        for (int64_t n = i * share; n < std::min(N, (i + 1) * share); n += 4)
-          direct_quad<BITS, MINS, S>(w, n, std::min<int64_t>(4, N - n), panels, full, rest, span, bias, out, factors);
-      }
+      for (int64_t i; (i = next.fetch_add(1)) < shares;)
+        direct_rows<BITS, MINS, S>(w, i * share, std::min(N, (i + 1) * share), panels, full, rest, span, bias, out,
+                                   factors);
     });
     return;
   }

@@ -170,6 +170,82 @@ void dot_tile(const float* x, int64_t K, const float* const* wr, const float* bi
     }
 }
 
+// MR activation rows against NR packed weight rows (n..n+NR-1), each block of codes dequantized in
+// registers: the values dequant_row gives and the chain dot_tile runs on them, without the buffer
+// (a decode step's few rows would pay more for the buffer's stores and loads than they save)
+template <int BITS, int MR, int NR, typename S>
+void dequant_dot_tile(const Packed& w, int64_t n, const float* x, const float* bias, float* out) {
+  const int64_t K = w.K, G = w.group, N = w.N;
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const auto step = [&](int r, int64_t k, __m256 v, int64_t g) __attribute__((always_inline)) {
+    const S* mn = w.mins_of<S>(n + r);
+    const __m256 wv = _mm256_fmadd_ps(v, _mm256_set1_ps(to_float(w.scales_of<S>(n + r)[g])),
+                                      _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f));
+    for (int m = 0; m < MR; ++m) acc[m][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m][r]);
+  };
+  if constexpr (BITS == 8) {
+    for (int64_t k = 0; k < K; k += 16)
+      for (int r = 0; r < NR; ++r) {
+        __m256 v[2];
+        widen_q8x16(reinterpret_cast<const int8_t*>(w.qs + (n + r) * w.row_bytes()) + k, v);
+        step(r, k, v[0], k / G);
+        step(r, k + 8, v[1], k / G);
+      }
+  } else {
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int r = 0; r < NR; ++r) {
+        const __m256i q = codes32<BITS>(w.qs + (n + r) * w.row_bytes() + b * 4 * BITS);
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        step(r, b * 32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), (b * 32) / G);
+        step(r, b * 32 + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), (b * 32 + 8) / G);
+        step(r, b * 32 + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), (b * 32 + 16) / G);
+        step(r, b * 32 + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), (b * 32 + 24) / G);
+      }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      const float s = hsum(acc[m][r]);
+      out[m * N + n + r] = bias ? s + bias[n + r] : s;
+    }
+}
+
+// a few activation rows (MR <= 4) against weight rows n0..n1, NR at a time (NR * MR chains)
+template <int BITS, int MR, typename S>
+void dequant_rows(const Packed& w, int64_t n0, int64_t n1, const float* x, const float* bias, float* out) {
+  constexpr int NR = MR == 1 ? 8 : MR == 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) dequant_dot_tile<BITS, MR, NR, S>(w, n, x, bias, out);
+  for (; n < n1; ++n) dequant_dot_tile<BITS, MR, 1, S>(w, n, x, bias, out);
+}
+
+template <int BITS, typename S>
+void dequant_rows_of(const Packed& w, int64_t n0, int64_t n1, const float* x, int64_t M, const float* bias,
+                     float* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = x + m0 * w.K;
+    float* om = out + m0 * w.N;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: dequant_rows<BITS, 1, S>(w, n0, n1, xm, bias, om); break;
+      case 2: dequant_rows<BITS, 2, S>(w, n0, n1, xm, bias, om); break;
+      case 3: dequant_rows<BITS, 3, S>(w, n0, n1, xm, bias, om); break;
+      default: dequant_rows<BITS, 4, S>(w, n0, n1, xm, bias, om);
+    }
+  }
+}
+
+template <typename S>
+void dequant_rows_as(const Packed& w, int64_t n0, int64_t n1, const float* x, int64_t M, const float* bias,
+                     float* out) {
+  switch (w.bits) {
+    case 4: return dequant_rows_of<4, S>(w, n0, n1, x, M, bias, out);
+    case 5: return dequant_rows_of<5, S>(w, n0, n1, x, M, bias, out);
+    case 6: return dequant_rows_of<6, S>(w, n0, n1, x, M, bias, out);
+    default: return dequant_rows_of<8, S>(w, n0, n1, x, M, bias, out);
+  }
+}
+
 using DotFn = void (*)(const float*, int64_t, const float* const*, const float*, float*, int64_t);
 constexpr int kMaxTileRows = 4;            // activation rows per register tile
 constexpr int kTileCols[5] = {0, 8, 4, 3, 3};  // weight rows per register tile, by activation rows
@@ -196,9 +272,26 @@ void dequant_row(const Packed& w, int64_t n, float* dst) {
   }
 }
 
+// up to this many activation rows, packed weights are dequantized in registers (decode steps)
+constexpr int64_t kFewFloatRows = 4;
+
 void float_product(const Packed& w, const float* x, int64_t M, const float* bias, float* out) {
   const int64_t N = w.N, K = w.K;
   const bool dense = w.bits == 32;  // read in place
+  if (!dense && M <= kFewFloatRows) {
+    // about 8 shares of weight rows per thread, from an atomic counter
+    const int64_t threads = at::get_num_threads();
+    const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1)) < shares;) {
+        const int64_t n0 = i * share, n1 = std::min(N, n0 + share);
+        if (w.half) dequant_rows_as<uint16_t>(w, n0, n1, x, M, bias, out);
+        else dequant_rows_as<float>(w, n0, n1, x, M, bias, out);
+      }
+    });
+    return;
+  }
   // tiles of weight rows (about 128 KiB of float32) from an atomic counter: a core slowed down by
   // another process takes fewer, and neither waits long for the other at the end
   const int64_t threads = at::get_num_threads();
