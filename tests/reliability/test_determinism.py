@@ -49,13 +49,14 @@ def seeded(c: openai.OpenAI) -> list:
 
 
 def noise(c: openai.OpenAI, i: int) -> str:
-    """Other traffic: prompts of 5-200 tokens, greedy and sampled, some sharing the chat's prefix."""
-    if i % 3 == 0:
-        messages = [{"role": "user", "content": "Name three colours and " + "then some more " * i}]
-        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10 + i, temperature=0.7)
+    """Other traffic: prompts of 5-150 tokens, greedy and sampled, some sharing the chat's prefix."""
+    j = i % 15
+    if j % 3 == 0:
+        messages = [{"role": "user", "content": "Name three colours and " + "then some more " * j}]
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8 + j, temperature=0.7)
         return r.choices[0].message.content
-    r = c.completions.create(model=MODEL, prompt=f"Noise {i}: " * (1 + 4 * i), max_tokens=10 + 2 * i,
-                             temperature=1.0 if i % 2 else 0, extra_body={"ignore_eos": True})
+    r = c.completions.create(model=MODEL, prompt=f"Noise {i}: " * (1 + 2 * j), max_tokens=8 + j,
+                             temperature=1.0 if j % 2 else 0, extra_body={"ignore_eos": True})
     return r.choices[0].text
 
 
