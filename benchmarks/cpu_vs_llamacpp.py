@@ -23,8 +23,12 @@ Each engine runs in its own process (so resident memory is its own), one after t
 - a control for the greedy counts: llama.cpp again with flash attention, which changes nothing
   but the rounding of the attention, against llama.cpp and transformers.
 
-Medians over ``--runs`` x ``--rounds`` (speed runs of the two engines repeated in alternating
+Medians over ``--runs`` x ``--rounds`` (speed runs of the engines repeated in alternating
 order). Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
+
+``--base-src DIR`` adds a third engine to every round: tianxia from another checkout's ``src``
+(say, the main branch before a kernel change), with its own kernel build, so that a change's
+cost is measured side by side, round by round, as ``tianxia / base``.
 """
 
 from __future__ import annotations
@@ -228,7 +232,12 @@ def worker_transformers(model: str, threads: int, runs: int, ctx: int, ref_file:
 def run_worker(engine: str, model: str, args, ref_file: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", model, "--threads", str(args.threads),
            "--runs", str(args.runs), "--ctx", str(args.ctx)] + (["--ref-file", ref_file] if ref_file else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    env = None
+    if engine.startswith("tianxia_base"):  # the other checkout's package first, its kernels built apart
+        base = str(Path(args.base_src).resolve())
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([base, os.environ.get("PYTHONPATH", "")]),
+               "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "tianxia-base-" + base.replace("/", "_"))}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -250,8 +259,8 @@ def kv_bytes_f16(model: str, ctx: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * ctx
 
 
-WORKERS = {"tianxia": worker_tianxia, "tianxia_f32": worker_tianxia_f32, "llamacpp": worker_llamacpp,
-           "transformers": worker_transformers}
+WORKERS = {"tianxia": worker_tianxia, "tianxia_f32": worker_tianxia_f32, "tianxia_base": worker_tianxia,
+           "tianxia_base_f32": worker_tianxia_f32, "llamacpp": worker_llamacpp, "transformers": worker_transformers}
 
 
 def main() -> None:
@@ -265,6 +274,10 @@ def main() -> None:
     ap.add_argument("--no-agreement", action="store_true", help="skip the transformers reference")
     ap.add_argument("--float32", action="store_true",
                     help="also run tianxia with --cpu-activations float32 (exact products)")
+    ap.add_argument("--base-src", default=None, metavar="DIR",
+                    help="also run tianxia from this src directory in every round (the cost of a change)")
+    ap.add_argument("--no-llamacpp", action="store_true",
+                    help="with --base-src: only the two tianxia builds (no llama.cpp, no agreement pass)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -282,31 +295,44 @@ def main() -> None:
     for name in args.models.split(","):
         model = os.path.expanduser(MODELS[name])
         print(f"== {name}", file=sys.stderr)
-        engines = ("llamacpp", "tianxia") + (("tianxia_f32",) if args.float32 else ())
+        if args.no_llamacpp and not args.base_src:
+            raise SystemExit("--no-llamacpp needs --base-src")
+        if args.no_llamacpp:  # the two builds alone, with the activations asked for
+            timed = ("tianxia_f32", "tianxia_base_f32") if args.float32 else ("tianxia", "tianxia_base")
+            engines = timed
+        else:
+            timed = ("llamacpp", "tianxia") + (("tianxia_base",) if args.base_src else ())
+            engines = timed + (("tianxia_f32",) if args.float32 else ())
         with tempfile.TemporaryDirectory() as tmp:
             ref_file = None
             r = {}
-            if not args.no_agreement:  # first: the others are measured against its distributions
+            if not (args.no_agreement or args.no_llamacpp):  # first: the others are measured against its distributions
                 ref_file = os.path.join(tmp, "reference.pt")
                 r["transformers"] = run_worker("transformers", model, args, ref_file)
             r.update({e: run_worker(e, model, args, ref_file) for e in engines})
         # more rounds of the two speed runs, in alternating order, so that a slow spell of the
         # shared machine falls on both engines
-        r["rounds"] = [{e: {k: r[e][k] for k in ("pp", "tg")} for e in ("llamacpp", "tianxia")}]
+        r["rounds"] = [{e: {k: r[e][k] for k in ("pp", "tg")} for e in timed}]
         for i in range(1, args.rounds):
-            order = ("tianxia", "llamacpp") if i % 2 else ("llamacpp", "tianxia")
+            order = timed[::-1] if i % 2 else timed
             again = {e: run_worker(e, model, args) for e in order}
             r["rounds"].append({e: {k: again[e][k] for k in ("pp", "tg")} for e in order})
             for e in order:
                 for k in ("pp", "tg"):
                     r[e][k] = r[e][k] + again[e][k]
         r["gguf_bytes"] = os.path.getsize(model)
-        r["llamacpp"]["kv_bytes"] = kv_bytes_f16(model, args.ctx)
+        if "llamacpp" in r:
+            r["llamacpp"]["kv_bytes"] = kv_bytes_f16(model, args.ctx)
         results[name] = r
     load_after = os.getloadavg()
     (out_dir / "results.json").write_text(json.dumps(results))
-
     med = statistics.median
+    if args.no_llamacpp:
+        md = base_report(results, args, stamp, load_before, load_after)
+        (out_dir / "cpu_vs_base.md").write_text(md)
+        print(md)
+        return
+
     mib = 2**20
     lines = [
         (f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
@@ -325,6 +351,12 @@ def main() -> None:
             if "tianxia_f32" in r:
                 b = med(r["tianxia_f32"][key])
                 lines.append(f"| {name} | {label}, float32 activations | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+            if "tianxia_base" in r:
+                new, old = med(tx[key]), med(r["tianxia_base"][key])
+                per_round = ", ".join(f"{med(x['tianxia'][key]) / med(x['tianxia_base'][key]):.3f}"
+                                      for x in r["rounds"])
+                lines.append(f"| {name} | {label}: tianxia / base ({old:.1f}) | | {new:.1f} | "
+                             f"{new / old:.3f}x [{per_round}] |")
         target = r["gguf_bytes"]
         lines.append(
             f"| {name} | RSS after load, MiB (process base) | {lc['rss_loaded'] / mib:.0f} ({lc['rss_base'] / mib:.0f}) "
@@ -360,6 +392,25 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     (out_dir / "cpu_vs_llamacpp.md").write_text(md)
     print(md)
+
+
+def base_report(results: dict, args, stamp, load_before, load_after) -> str:
+    """tianxia against the --base-src build alone: medians and per-round ratios."""
+    med = statistics.median
+    lines = [
+        (f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
+         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs x "
+         f"{args.rounds} rounds, the two builds alternating; base = {args.base_src}."),
+        "", "| model | metric | base | tianxia | tianxia / base [per round] |", "|---|---|---|---|---|",
+    ]
+    new, old = ("tianxia_f32", "tianxia_base_f32") if args.float32 else ("tianxia", "tianxia_base")
+    lines[0] += f" {'float32' if args.float32 else '8-bit'} activations."
+    for name, r in results.items():
+        for label, key in (("generation, tokens/s", "tg"), (f"prompt ({PROMPT_TOKENS} tokens), tokens/s", "pp")):
+            a, b = med(r[old][key]), med(r[new][key])
+            per_round = ", ".join(f"{med(x[new][key]) / med(x[old][key]):.3f}" for x in r["rounds"])
+            lines.append(f"| {name} | {label} | {a:.1f} | {b:.1f} | {b / a:.3f}x [{per_round}] |")
+    return "\n".join(lines) + "\n"
 
 
 def _cpu_name() -> str:

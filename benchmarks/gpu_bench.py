@@ -126,7 +126,8 @@ class StubTokenizer:
 def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_util: float | None, kv_memory: int | None,
                  enforce_eager: bool = False, release_hf: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, batch_invariant: bool = False,
+                 enable_prefix_caching: bool = True):
     """An LLMEngine over a copy of ``hf``'s weights (the loader is patched out). With
     ``release_hf`` the transformers model's tensors are freed once copied, before the engine
     plans its GPU memory."""
@@ -163,12 +164,13 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
     le.load_model = fake_load
     try:
         cache = CacheConfig(block_size=16, gpu_memory_utilization=gpu_util,
+                            enable_prefix_caching=enable_prefix_caching,
                             **({"kv_cache_memory": kv_memory} if kv_memory else {}))
         cfg = EngineConfig(
             model=str(tmp), dtype=dtype_name, device=device, cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=max_num_batched_tokens),
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, batch_invariant=batch_invariant,
         )
         t0 = time.perf_counter()
         engine = le.LLMEngine(cfg)

@@ -30,21 +30,40 @@ import torch
 from torch.utils.cpp_extension import load
 
 from tianxia.quant import cpu_kernels
-from tianxia.quant.cpu_kernels import _SOURCES
+from tianxia.quant.cpu_kernels import _SOURCES, CFLAGS
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 DEFAULT_MODEL = "~/.cache/tianxia/models/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct.gguf"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
-def build(name: str, csrc: Path, defines: list[str]):
+def build(name: str, csrc: Path, flags: list[str], defines: list[str]):
     sources = [str(csrc / f) for f in _SOURCES if (csrc / f).exists()]
-    return load(name=name, sources=sources, extra_include_paths=[str(csrc)], extra_cflags=FLAGS + defines,
+    return load(name=name, sources=sources, extra_include_paths=[str(csrc)], extra_cflags=flags + defines,
                 extra_ldflags=["-fopenmp"])
 
 
-def checkout_csrc(rev: str, into: Path) -> Path:
+def revision_flags(rev: str) -> list[str]:
+    """The compiler flags that revision ``rev`` builds its kernels with (its cpu_kernels.py)."""
+    import ast
+
+    path = Path(cpu_kernels.__file__)
     top = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=CSRC, text=True).strip())
+    text = subprocess.check_output(["git", "show", f"{rev}:{path.relative_to(top)}"], cwd=top, text=True)
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.List) and any(isinstance(e, ast.Constant) and e.value == "-O3" for e in node.elts):
+            return [e.value for e in node.elts]
+    raise SystemExit(f"no compiler flags found in {rev}'s {path.name}")
+
+
+def checkout_csrc(rev: str) -> Path:
+    """``rev``'s kernel sources, in a directory named by its commit (kept: a later run with the
+    same base finds them, and torch's build of them, unchanged)."""
+    top = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=CSRC, text=True).strip())
+    sha = subprocess.check_output(["git", "rev-parse", rev], cwd=top, text=True).strip()
+    into = Path(tempfile.gettempdir()) / f"tianxia-kernels-{sha[:12]}"
+    if (into / CSRC.relative_to(top)).is_dir():
+        return into / CSRC.relative_to(top)
+    into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "archive", rev, str(CSRC.relative_to(top))], cwd=top, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
@@ -71,10 +90,9 @@ def main() -> None:
     from tianxia.loader.gguf import GGUFFile
     from tianxia.quant.packed import PACKABLE_TYPES, from_gguf
 
-    with tempfile.TemporaryDirectory() as tmp:
-        new = build("tx_kernels_new", CSRC, [])
-        # another C++ name for the base's pybind class, which both modules register
-        base = build("tx_kernels_base", checkout_csrc(args.base, Path(tmp)), ["-DDecoder=DecoderBase"])
+    new = build("tx_kernels_new", CSRC, CFLAGS, [])
+    # another C++ name for the base's pybind class, which both modules register
+    base = build("tx_kernels_base", checkout_csrc(args.base), revision_flags(args.base), ["-DDecoder=DecoderBase"])
     if args.whole_model:
         return whole_model(args, new, base)
     shapes = {}

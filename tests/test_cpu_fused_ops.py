@@ -1,5 +1,6 @@
 """The fused float32 CPU ops (``quant/csrc/fused_ops.cpp``) against torch on the same inputs: the
-gated activation and the paged one-token attention that the fused decode step is built from."""
+gated activations and the paged attention (one query position at a time, for decodes and prompt
+tokens alike) that the fused decode step and the module path are built from."""
 
 from __future__ import annotations
 
@@ -19,16 +20,22 @@ def ext():
     return ext
 
 
-def test_silu_and_mul_matches_torch(ext):
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_activation_matches_torch(ext, gelu):
     # the vectorised exp of the fused activation, over the range where it saturates, row ends
-    # that do not fill a vector (1539 = 192 * 8 + 3), and infinities
+    # that do not fill a vector (1539 = 192 * 8 + 3), and (SiLU) infinities; tanh-GELU of an
+    # infinite input is NaN here and infinite in torch, a broken row either way
     x = torch.randn(5, 2 * 1539) * 8
-    x[0, :12] = torch.tensor([-200.0, -90, -88, -50, -1e-8, 0, 1e-8, 50, 88, 90, 200, float("inf")])
+    x[0, :12] = torch.tensor([-200.0, -90, -88, -50, -1e-8, 0, 1e-8, 50, 88, 90, 200, 300 if gelu else float("inf")])
     g, u = x.chunk(2, dim=-1)
-    want = torch.nn.functional.silu(g) * u
-    got = ext.silu_and_mul(x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    act = torch.nn.functional.gelu(g, approximate="tanh") if gelu else torch.nn.functional.silu(g)
+    got = ext.gated_act(x, gelu)
+    assert torch.allclose(got, act * u, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # each row alone: the same bits (the split between threads falls anywhere in a row)
+    assert torch.equal(ext.gated_act(x[3:4], gelu), got[3:4])
 
+
+_NO_SEQ = torch.empty(0, dtype=torch.long)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
@@ -45,7 +52,12 @@ def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, w
     tables = torch.stack([perm[(i * 3) % (blocks - per_seq):][:per_seq] for i in range(len(lens))])
     q = torch.randn(len(lens), hq, head_dim, generator=g) * 2
     scale = 1 / math.sqrt(head_dim)
-    got = ext.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale, window, softcap)
+    got = ext.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale, window, softcap, _NO_SEQ)
+    # the same queries as tokens of prompts (several per sequence, by sequence index): the same bits
+    seq_of = torch.tensor([4, 0, 4, 2])
+    prompt = ext.paged_decode(q[[4, 0, 4, 2]], k_cache, v_cache, tables, torch.tensor([lens[i] for i in seq_of]),
+                              scale, window, softcap, seq_of)
+    assert torch.equal(prompt, got[[4, 0, 4, 2]])
     for b, n in enumerate(lens):
         slots = [(int(tables[b, t // bs]), t % bs) for t in range(n)]
         keys = torch.stack([k_cache[blk, off] for blk, off in slots]).float()  # [n, hk, D]

@@ -607,3 +607,126 @@ def test_every_family_decodes_through_the_graph_runner(arch, family_models, monk
     _routes_agree(llm, batch, params, [module_route, *fused])
     if arch in ("qwen2", "gemma2"):
         _routes_agree(llm, batch[1:2], params, fused)
+
+
+# --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------
+
+
+@pytest.fixture
+def row_wise_dot(monkeypatch):
+    """The interpreter's ``tl.dot`` is NumPy's matmul, whose result for a row depends on the row's
+    place in the tile (OpenBLAS's register blocking); a GPU's matrix instructions compute every
+    row of a tile alike. On CPU, model that: each row of the tile multiplied on its own."""
+    if CUDA:
+        return
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_batch_invariant_matmul_rows_do_not_depend_on_the_batch(dtype, bias, row_wise_dot):
+    from tianxia.layers import batch_invariant as bi
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 72, generator=g).to(dtype).to(DEV)  # an nn.Linear weight [N, K]
+    b = torch.randn(40, generator=g).to(dtype).to(DEV) if bias else None
+    x = torch.randn(37, 72, generator=g).to(dtype).to(DEV)
+    full = bi.matmul(x, w.t(), b)  # F.linear's addmm(bias, x, w.t())
+    for rows in (1, 2, 5, 17):  # every row count gives each row the same bits
+        for start in (0, 3):
+            assert torch.equal(bi.matmul(x[start:start + rows], w.t(), b), full[start:start + rows])
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(full.float(), ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant_rmsnorm_rows_do_not_depend_on_the_batch(dtype):
+    from tianxia.layers import batch_invariant as bi
+    from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 48, generator=g).to(dtype).to(DEV)
+    res = torch.randn(9, 48, generator=g).to(dtype).to(DEV)
+    for cls in (RMSNorm, GemmaRMSNorm):
+        ref = cls(48, 1e-6)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(48, generator=g) * 0.1 + (cls is RMSNorm))
+        ref = ref.to(dtype).to(DEV)
+        norm = cls(48, 1e-6).to(dtype).to(DEV)
+        norm.load_state_dict(ref.state_dict())
+        bi.make_batch_invariant(norm)
+        assert isinstance(norm, bi.BatchInvariantRMSNorm)
+        out, total = norm(x, res)
+        for rows in (1, 4):
+            o, t = norm(x[2:2 + rows], res[2:2 + rows])
+            assert torch.equal(o, out[2:2 + rows]) and torch.equal(t, total[2:2 + rows])
+        want, want_total = ref(x, res)
+        torch.testing.assert_close(total, want_total, **_exact(dtype))
+        torch.testing.assert_close(out.float(), want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant_attention_is_the_same_for_any_batch_or_chunking(dtype, row_wise_dot):
+    """One sequence of 13 tokens: its prompt in one chunk, in two chunks (the second after a cached
+    prefix), and its last token as a decode step, alone and beside other sequences; a token's
+    attention output is bit for bit the same in all of them, and close to the torch backend's."""
+    from tianxia.layers import batch_invariant as bi
+
+    hq, hk, d, bs, num_blocks, n = 4, 2, 16, 4, 64, 13
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(n, hq, d, generator=g).to(dtype).to(DEV)
+    k = torch.randn(n, hk, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(n, hk, d, generator=g).to(dtype).to(DEV)
+    backend = bi.TritonInvariantAttention()
+    table = [7, 3, 20, 11]  # the sequence's blocks
+
+    def step(cache, first, count, others=()):
+        """Tokens first..first+count of the sequence (after ``first`` cached ones), then the
+        ``others`` (query, context) pairs of other sequences, in one step."""
+        seqs = [(first, count, table)] + [(c, 1, [30 + 4 * i + j for j in range(4)]) for i, (_, c) in enumerate(others)]
+        decodes = [s for s in seqs if s[1] == 1]
+        order = decodes + [s for s in seqs if s[1] != 1]
+        slots, lens, starts, width = [], [], [0], max(len(s[2]) for s in seqs)
+        qs, ks, vs = [], [], []
+        for ctx, cnt, tab in order:
+            slots += [tab[p // bs] * bs + p % bs for p in range(ctx, ctx + cnt)]
+            lens.append(ctx + cnt)
+            starts.append(starts[-1] + cnt)
+            if tab is table:
+                qs.append(q[ctx:ctx + cnt]), ks.append(k[ctx:ctx + cnt]), vs.append(v[ctx:ctx + cnt])
+            else:
+                oq = next(o for o, c in others if c == ctx)
+                qs.append(oq[None]), ks.append(oq[None, :hk]), vs.append(oq[None, :hk])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=DEV), block_tables=torch.tensor(
+                [s[2] + [0] * (width - len(s[2])) for s in order], device=DEV),
+            seq_lens=lens, query_lens=[s[1] for s in order], query_start_loc=starts,
+            num_decodes=len(decodes), seq_lens_tensor=torch.tensor(lens, device=DEV), block_size=bs)
+        out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5)
+        at = next(i for i, s in enumerate(order) if s[2] is table)
+        return out[starts[at]:starts[at + 1]]
+
+    def fresh():
+        return torch.zeros(2, num_blocks, bs, hk, d, dtype=dtype, device=DEV)
+
+    cache = fresh()
+    whole = step(cache, 0, n)
+    cache2 = fresh()
+    first = step(cache2, 0, 8)
+    second = step(cache2, 8, n - 8)
+    assert torch.equal(torch.cat([first, second]), whole)
+    cache3 = fresh()
+    step(cache3, 0, n - 1)
+    alone = step(cache3.clone(), n - 1, 1)
+    others = [(torch.randn(hq, d, generator=g).to(dtype).to(DEV), c) for c in (3, 9)]
+    beside = step(cache3, n - 1, 1, others)
+    assert torch.equal(alone, whole[-1:]) and torch.equal(beside, whole[-1:])
+    ref = get_backend(DEV, "torch").forward(q, k, v, fresh(), _batch([n], [0], num_blocks, bs), d**-0.5)
+    torch.testing.assert_close(whole.float(), ref.float(), **_tol(dtype))

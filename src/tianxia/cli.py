@@ -51,6 +51,7 @@ def _make_llm(args: argparse.Namespace):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_activations=args.cpu_activations,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -85,6 +85,9 @@ class EngineConfig:
     quantization: str = "auto"  # see QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     cpu_activations: str = "int8"  # see CPU_ACTIVATIONS
+    # CUDA: batch-invariant kernels (layers/batch_invariant.py); CPU results are batch-invariant
+    # by default
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
@@ -151,4 +154,10 @@ def add_quantization_args(parser) -> None:
     parser.add_argument(
         "--cpu-activations", default="int8", choices=list(CPU_ACTIVATIONS),
         help="CPU decode with packed weights: " + "; ".join(f"{k}: {v}" for k, v in CPU_ACTIVATIONS.items()),
+    )
+    parser.add_argument(
+        "--batch-invariant", action="store_true",
+        help="CUDA: kernels whose results for a request do not depend on the batch or the prefix cache "
+             "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
+             "batch-invariant by default",
     )

@@ -45,6 +45,7 @@ class LLM:
         quantization: str = "auto",
         kv_cache_dtype: str = "auto",
         cpu_activations: str = "int8",
+        batch_invariant: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -56,6 +57,7 @@ class LLM:
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             cpu_activations=cpu_activations,
+            batch_invariant=batch_invariant,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

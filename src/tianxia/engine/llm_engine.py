@@ -18,6 +18,7 @@ from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_pe
 from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
+from tianxia.layers.linear import use_row_invariant_linears
 from tianxia.loader import load_model
 from tianxia.outputs import CompletionOutput, Logprob, RequestOutput
 from tianxia.sampling_params import SamplingParams
@@ -104,10 +105,11 @@ def make_runner(model, model_config, cache_config, device, dtype, seed) -> Model
         raise ValueError(_oom_message(f"allocating a {want / _GIB:.2f} GiB KV cache", device, e)) from None
 
 
-def setup_decode(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+def setup_decode(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
+                 fused_step: bool = True) -> None:
     """The runner's decode route (fused step, CUDA graphs); out of GPU memory is a message."""
     try:
-        runner.setup_decode(max_num_seqs, max_model_len, enforce_eager=enforce_eager)
+        runner.setup_decode(max_num_seqs, max_model_len, enforce_eager=enforce_eager, fused_step=fused_step)
     except torch.cuda.OutOfMemoryError as e:
         raise ValueError(_oom_message("capturing the decode CUDA graphs", runner.device, e)) from None
 
@@ -151,7 +153,7 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     torch.cuda.empty_cache()
     vocab = model_config.vocab_size
     sampler = 4 * sched.max_num_seqs * vocab * 4  # float32 logits, probabilities, sort buffers
-    graphs = 0 if config.enforce_eager else sched.max_num_seqs * vocab * 6 + (256 << 20)
+    graphs = 0 if config.enforce_eager or config.batch_invariant else sched.max_num_seqs * vocab * 6 + (256 << 20)
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights, the CUDA context, other processes
     kv = int(frac * total) - in_use - activations - sampler - graphs
@@ -210,6 +212,12 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
+        if self.device.type == "cpu":  # float products that do not depend on the batch
+            use_row_invariant_linears(loaded.model)
+        elif config.batch_invariant and self.device.type == "cuda":
+            from tianxia.layers.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(loaded.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = config.chat_template or loaded.chat_template
@@ -245,7 +253,11 @@ class LLMEngine:
         self.max_model_len = max_len
         # the most tokens' worth of blocks one sequence holds
         longest = max_len if per_seq is None else min(max_len, per_seq * config.cache.block_size)
-        setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager)
+        # the batch-invariant GPU mode runs every product through its fixed-tile kernels: no fused
+        # decode step (it has kernels of its own) and no graphs
+        gpu_invariant = self.device.type == "cuda" and config.batch_invariant
+        setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager or gpu_invariant,
+                     fused_step=not gpu_invariant)
         from dataclasses import replace
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)

@@ -207,9 +207,11 @@ class ModelRunner:
 
     # --- decode routes ------------------------------------------------------------------------
 
-    def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> None:
-        """Pick the decode route: the family's fused step if it has one for this device, and on
-        CUDA (unless ``enforce_eager``) CUDA graphs of that step or of the module forward."""
+    def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+                     fused_step: bool = True) -> None:
+        """Pick the decode route: the family's fused step if it has one for this device (and
+        ``fused_step``), and on CUDA (unless ``enforce_eager``) CUDA graphs of that step or of the
+        module forward."""
         from tianxia.layers.rotary import RotaryEmbedding
 
         if self.device.type != "cpu":
@@ -217,7 +219,7 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.ensure_positions(max_model_len)
-        self.decode_step = self.model.fast_decode_step(self.kv_caches, max_model_len)
+        self.decode_step = self.model.fast_decode_step(self.kv_caches, max_model_len) if fused_step else None
         if self.device.type != "cuda":
             return
         if enforce_eager:

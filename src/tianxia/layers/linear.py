@@ -1,8 +1,10 @@
-"""Linear and embedding layers over packed block-quantized weights (CPU).
+"""Linear and embedding layers over packed block-quantized weights (CPU), and float ones whose
+product does not depend on the batch.
 
-They replace ``nn.Linear`` / ``nn.Embedding`` at load time (see ``load_weights`` of the model
-files) when a weight arrives as a :class:`~tianxia.quant.packed.PackedWeight`; the weight stays
-packed in memory and the product runs in :mod:`tianxia.quant.cpu_kernels`.
+The packed ones replace ``nn.Linear`` / ``nn.Embedding`` at load time (see ``load_weights`` of
+the model files) when a weight arrives as a :class:`~tianxia.quant.packed.PackedWeight`; the
+weight stays packed in memory and the product runs in :mod:`tianxia.quant.cpu_kernels`.
+:func:`use_row_invariant_linears` turns the float ones of a CPU model into :class:`DenseLinear`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,30 @@ from torch import nn
 
 from tianxia.quant import cpu_kernels
 from tianxia.quant.packed import PackedWeight
+
+
+dense_linear = cpu_kernels.dense_linear
+
+
+class DenseLinear(nn.Linear):
+    """An ``nn.Linear`` whose float32 CPU product computes each row alone
+    (:func:`~tianxia.quant.cpu_kernels.dense_linear`). BLAS blocks a product by its number of
+    rows, so through ``F.linear`` a token's row would change with the batch and the prompt's
+    chunking."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
+def use_row_invariant_linears(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` a :class:`DenseLinear` (in place: the same
+    module objects and parameters, only the forward changes); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DenseLinear
+            count += 1
+    return count
 
 
 class _Packed(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
+from tianxia.layers.linear import dense_linear
 from tianxia.layers.rotary import RotaryEmbedding
 
 
@@ -149,7 +150,7 @@ class FalconForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.transformer.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return dense_linear(hidden, weight).float()
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.transformer.rotary.build_cache(device)

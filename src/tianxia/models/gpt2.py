@@ -14,6 +14,7 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
+from tianxia.layers.linear import dense_linear
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -97,7 +98,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return dense_linear(hidden, weight).float()
 
     def init_buffers(self, device: torch.device | str) -> None:
         pass

@@ -35,7 +35,7 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
-from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear, dense_linear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
 from tianxia.quant.packed import PackedWeight, stack_runs
@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         elif isinstance(embed, QuantizedEmbedding):
             logits = embed.linear(hidden)
         else:
-            logits = torch.nn.functional.linear(hidden, embed.weight).float()
+            logits = dense_linear(hidden, embed.weight).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

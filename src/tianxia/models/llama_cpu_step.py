@@ -3,9 +3,11 @@
 A decode step of a small model on a CPU is dominated by dispatch, not arithmetic: a dozen torch
 calls per layer, each a few microseconds of Python and a parallel region. :class:`LlamaCpuStep`
 hands the layers' weights (packed or float32) and KV caches to the C++ decoder once; each step of
-single-token decodes is then one call (plus the embedding lookup and the logits). The model runner
-takes it for steps of at most ``MAX_FUSED_BATCH`` decodes; steps with prompt chunks, and models or
-settings it does not cover (listed by :func:`unsupported_reason`), take the module path.
+single-token decodes, of any batch, is then one call (plus the embedding lookup and the logits).
+Steps with prompt chunks, and models or settings it does not cover (listed by
+:func:`unsupported_reason`), take the module path, which runs the same kernels in the same order
+(products, norms, RoPE, attention, activation), so a token's numbers do not depend on which of
+the two computed its step.
 """
 
 from __future__ import annotations
@@ -18,10 +20,6 @@ from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.quant import cpu_kernels
-
-# Beyond this many sequences the prefill matmul (dequantized tiles and BLAS) beats re-reading the
-# packed weights once per 8 rows.
-MAX_FUSED_BATCH = 16
 
 _EMPTY = torch.empty(0)
 
@@ -78,7 +76,7 @@ def _linear_args(proj: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
 class LlamaCpuStep:
     """A :class:`~tianxia.models.base.DecodeStep` over a LlamaForCausalLM's weights and KV caches."""
 
-    max_batch = MAX_FUSED_BATCH
+    max_batch = None  # results do not depend on the batch, so any decode batch takes this step
     variants = ()
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], int8: bool) -> None:

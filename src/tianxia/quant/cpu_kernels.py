@@ -1,8 +1,11 @@
-"""The CPU kernels (``csrc/``), built on first use: matmuls with packed weights (``kernels.cpp``),
-the integer GEMM for prompts and batched decode (``gemm_int8.cpp``), the fused float32 ops of a
-decode step (residual add + RMSNorm, RoPE, SiLU-and-mul, paged one-token attention;
+"""The CPU kernels (``csrc/``), built on first use: products with packed and float32 weights (the
+float path in ``kernels.cpp``, the integer path for 8-bit activations in ``gemm_int8.cpp``), the
+fused float32 ops of a step (residual add + RMSNorm, RoPE, gated activations, paged attention;
 ``fused_ops.cpp``), each one call where torch would take several, and a whole decode step of a
 Llama-style model in one call (``decoder.cpp``).
+
+Every product computes a row the same way whatever the other rows are (``kernels.h``): a token's
+numbers do not depend on its batch, on how its prompt was chunked, or on the prefix cache.
 
 The extension is compiled once per machine with ``torch.utils.cpp_extension`` (cached under
 ``$TORCH_EXTENSIONS_DIR``, a minute or two on 2 cores the first time). Its name carries a digest
@@ -29,13 +32,15 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "fused_ops.cpp", "decoder.cpp"]
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# -ffp-contract=off: the compiler fuses no multiply and add of its own, so that the same
+# expression rounds the same way wherever it is inlined (the kernels write their fmas out)
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
 def _build_name() -> str:
     """The extension's name: a digest of the sources' folder, every source and header, and the
     flags (torch rebuilds a build directory whose recorded source paths changed)."""
-    h = hashlib.sha256(f"{_CSRC.resolve()} {' '.join(_CFLAGS)}".encode())
+    h = hashlib.sha256(f"{_CSRC.resolve()} {' '.join(CFLAGS)}".encode())
     for f in sorted(_CSRC.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode())
@@ -57,7 +62,7 @@ def extension():
             name=_build_name(),
             sources=[str(_CSRC / f) for f in _SOURCES],
             extra_include_paths=[str(_CSRC)],
-            extra_cflags=_CFLAGS,
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -83,14 +88,24 @@ def fused_ops(t: torch.Tensor):
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
     """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds every row to 8-bit codes per
-    32 values first (llama.cpp's numerics): up to 8 rows then take integer dot products, more rows
-    the integer GEMM (4-, 5-, 6- and 8-bit codes) or BLAS on the rounded values (8-bit codes in
-    groups of 16). The torch fallback stays float."""
+    32 values first (llama.cpp's numerics) for integer dot products. Each row's result is the same
+    for any number of rows. The torch fallback stays float."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
     mins = w.mins if w.mins is not None else _EMPTY
     return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with each row computed alone (no blocking by the number of rows, as
+    BLAS does), for float32 tensors on CPU; anything else goes to ``F.linear``."""
+    ext = fused_ops(x)
+    if ext is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    y = ext.dense_linear(x.reshape(-1, shape[-1]), weight, bias)
+    return y.reshape(*shape[:-1], weight.shape[0])
 
 
 def packed_rows(index: torch.Tensor, w: PackedWeight) -> torch.Tensor:

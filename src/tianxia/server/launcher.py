@@ -306,6 +306,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_activations=args.cpu_activations,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -1,7 +1,13 @@
-"""Paged attention in plain PyTorch (``scaled_dot_product_attention``); runs on any device.
+"""Paged attention on CPU, and in plain PyTorch (``scaled_dot_product_attention``) on any device.
 
-Decodes are gathered into one padded batch and computed by a single SDPA call; each prefill chunk
-gets its own call, with a causal mask offset by the tokens already in the cache.
+On CPU with the kernels built and a float32 or float16 cache, every query token of the step (the
+decodes and each prompt chunk's tokens) goes through one paged-attention call over the cache,
+one position at a time: a query's result then depends on its position and the cached K/V alone,
+so a token's attention is the same in a prompt, in a chunk of it, after a prefix-cache hit and
+in a decode step (SDPA blocks a prompt's attention by its length and reads the fresh K/V, not
+the cache's). Otherwise decodes are gathered into one padded batch and computed by a single SDPA
+call, and each prefill chunk gets its own call, with a causal mask offset by the tokens already
+in the cache.
 """
 
 from __future__ import annotations
@@ -12,11 +18,23 @@ import torch.nn.functional as F
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 from tianxia.quant.cpu_kernels import CACHE_DTYPES, fused_ops
 
+_NONE = torch.empty(0, dtype=torch.long)
+
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def _query_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query token of the flat batch: its sequence's index and its context length (its
+    position + 1)."""
+    qlens = torch.tensor(meta.query_lens, device=device)
+    seq_of = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), qlens)
+    ends = torch.tensor(meta.query_start_loc[1:], device=device)[seq_of]
+    tokens = torch.arange(seq_of.numel(), device=device)
+    return seq_of, meta.seq_lens_tensor[seq_of] - (ends - 1 - tokens)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -55,20 +73,23 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        window = sliding_window
+        nd = meta.num_decodes
+        ext = fused_ops(q) if k_cache.dtype in CACHE_DTYPES else None
+        if ext is not None:
+            # every query through the one-position kernel, reading K/V straight from their blocks
+            if nd == meta.num_seqs:
+                return ext.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, scale,
+                                        window or 0, softcap or 0.0, _NONE)
+            seq_of, lens = _query_rows(meta, q.device)
+            return ext.paged_decode(q, k_cache, v_cache, meta.block_tables, lens, scale, window or 0,
+                                    softcap or 0.0, seq_of)
         out = torch.empty_like(q)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         gqa = num_heads != num_kv_heads
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
         bs = meta.block_size
-        window = sliding_window
-
-        nd = meta.num_decodes
-        ext = fused_ops(q) if nd and k_cache.dtype in CACHE_DTYPES else None
-        if ext is not None:
-            # all decodes in one call that reads K/V straight from their blocks
-            out[:nd] = ext.paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                        meta.seq_lens_tensor[:nd], scale, window or 0, softcap or 0.0)
-        elif nd:
+        if nd:
             max_len = max(meta.seq_lens[:nd])
             nb = (max_len + bs - 1) // bs
             # with a window, blocks wholly before every decode's window are not read at all

@@ -204,7 +204,7 @@ class Decoder {
       store_row(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * KVs, KVs);
     }
     paged_decode_rows(qkv_.data(), QKV, attn_.data(), Qs, kc, vc, block_tables.data_ptr<int64_t>(),
-                      block_tables.size(1), seq_lens.data_ptr<int64_t>(), M, Hq_, Hk_, D_, L.k_cache.size(1), scale_,
+                      block_tables.size(1), seq_lens.data_ptr<int64_t>(), nullptr, M, Hq_, Hk_, D_, L.k_cache.size(1), scale_,
                       L.window, softcap_);
   }
 

@@ -1,6 +1,10 @@
-// The float32 ops of a decode step on raw rows: residual add + RMSNorm, RoPE, the gated MLP
-// activation and paged one-token attention. The torch-facing ops (bindings.cpp) and the fused decode step (decoder.cpp) share them.
+// The float32 ops of a step on raw rows: residual add + RMSNorm, RoPE, the gated MLP activation
+// and paged attention, one query token at a time. The torch-facing ops (bindings.cpp) and the fused
+// decode step (decoder.cpp) share them, and each row's result depends on that row alone (a
+// query's attention: on its position and the cached K/V), so prompts and decode steps agree.
 #include "kernels.h"
+
+#include <atomic>
 
 namespace tianxia {
 
@@ -150,36 +154,43 @@ void attend_kv_head(const float* q, float* out, const T* const* k, const T* cons
 
 template <typename T>
 void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const T* k_cache, const T* v_cache,
-                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, int64_t B,
-                       int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
+                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, const int64_t* seq_of,
+                       int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
                        float softcap) {
-  const int64_t rep = Hq / Hk, bs = block_size;
+  const int64_t rep = Hq / Hk, bs = block_size, items = B * Hk;
   const auto attend = D == 64 ? attend_kv_head<8, T> : D == 128 ? attend_kv_head<16, T> : attend_kv_head<0, T>;
-  at::parallel_for(0, B * Hk, 1, [&](int64_t j0, int64_t j1) {
+  // (query, KV head) pairs from an atomic counter, a few at a time: the queries of a prompt cost
+  // in proportion to their positions, and a static split would give one thread the long ones
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, items / (16 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     std::vector<const T*> k, v;
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t b = j / Hk, hk = j % Hk, len = seq_lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
-      const int64_t* bt = block_tables + b * max_blocks;
-      k.resize(n);
-      v.resize(n);
-      for (int64_t t = start; t < len; ++t) {  // the rows of the paged cache, in token order
-        const int64_t row = (bt[t / bs] * bs + t % bs) * Hk + hk;
-        k[t - start] = k_cache + row * D;
-        v[t - start] = v_cache + row * D;
+    for (int64_t j0; (j0 = next.fetch_add(chunk)) < items;) {
+      for (int64_t j = j0; j < std::min(items, j0 + chunk); ++j) {
+        const int64_t b = j / Hk, hk = j % Hk, len = seq_lens[b];
+        const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
+        const int64_t* bt = block_tables + (seq_of ? seq_of[b] : b) * max_blocks;
+        k.resize(n);
+        v.resize(n);
+        for (int64_t t = start; t < len; ++t) {  // the rows of the paged cache, in token order
+          const int64_t row = (bt[t / bs] * bs + t % bs) * Hk + hk;
+          k[t - start] = k_cache + row * D;
+          v[t - start] = v_cache + row * D;
+        }
+        attend(q + b * sq + hk * rep * D, out + b * so + hk * rep * D, k.data(), v.data(), n, rep, D, scale, softcap,
+               scores);
       }
-      attend(q + b * sq + hk * rep * D, out + b * so + hk * rep * D, k.data(), v.data(), n, rep, D, scale, softcap,
-             scores);
     }
   });
 }
 
 template void paged_decode_rows<float>(const float*, int64_t, float*, int64_t, const float*, const float*,
-                                       const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                                       int64_t, float, int64_t, float);
+                                       const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, float, int64_t, float);
 template void paged_decode_rows<uint16_t>(const float*, int64_t, float*, int64_t, const uint16_t*, const uint16_t*,
-                                          const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                                          int64_t, int64_t, float, int64_t, float);
+                                          const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+                                          int64_t, int64_t, int64_t, float, int64_t, float);
 
 }  // namespace tianxia

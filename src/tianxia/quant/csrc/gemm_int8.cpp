@@ -1,16 +1,22 @@
-// The integer GEMM for more than a few activation rows (batched decode steps, prompts): rows of
-// 8-bit codes with one scale per 32 (Activations) times a weight of 4-, 5-, 6- or 8-bit codes.
+// The integer path of the products, for any number of activation rows (decode steps and prompts
+// alike): rows of 8-bit codes with one scale per 32 (Activations) times a weight of 4-, 5-, 6- or
+// 8-bit codes, by one register tile whose operation sequence per output is the same for every
+// row count (kernels.h), so that a token's row does not depend on its batch or its prompt's
+// chunking.
 //
-// Each thread widens a tile of weight rows once to byte codes that maddubs (u8 x s8) takes as its
-// unsigned operand: 5- and 6-bit codes keep their +16 / +32 offset, so every code is 0..63 and
-// needs neither ggml's sign trick nor can it saturate (2 * 63 * 127 < 2^15). 8-bit codes (Q8_0,
-// int8) stay signed and take the sign trick, one more op per product, and widen each product to
-// 32 bits before the fold; that is still 1.2-1.6x BLAS on the rounded rows, and 1.6x the direct
-// kernel at 16 rows (a batched decode step's output head). Four weight rows and four activation rows
-// then meet in a register tile: per block of 32, four maddubs dot products are folded by a
-// 4x4 transpose-add into one vector (lanes: the four weight rows' low and high 16 elements),
-// which takes one convert and one multiply-add with the block's scales. Offsets and mins take one more multiply-add with the activations' sums:
+// Each thread widens 4 weight rows at a time ("a quad") to byte codes that maddubs (u8 x s8) takes
+// as its unsigned operand: 5- and 6-bit codes keep their +16 / +32 offset, so every code is 0..63
+// and needs neither ggml's sign trick nor can it saturate (2 * 63 * 127 < 2^15). 8-bit codes (Q8_0,
+// Q3_K, Q2_K, int8) stay signed and take the sign trick, one more op per product, and widen each
+// product to 32 bits before the fold. With a quad's codes come its factors per block: the 4 rows'
+// scales and (min - off * scale) for the block's two halves. Four weight rows and up to four
+// activation rows then meet in a register tile: per block of 32, four maddubs dot products are
+// folded by a 4x4 transpose-add into one vector (lanes: the four weight rows' low and high 16
+// elements), which takes one convert and one multiply-add with the block's scales, and one more
+// multiply-add with the activations' half-block sums for the offsets and mins:
 //   sum_k x_k (s (u_k - off) + min) = s d_x (u . q_x) + (min - off s) sum_k x_k   per half block.
+// Many rows (prompts, batched steps) widen tiles of about 96 KiB that stay in L2 while every
+// activation row passes over them; a few rows (decode) widen one quad at a time, used at once.
 #include "kernels.h"
 
 #include <c10/util/Exception.h>
@@ -21,49 +27,104 @@ namespace tianxia {
 
 namespace {
 
-// A tile of weight rows, widened: per group of 4 rows ("quad") and block of 32, 4 x 32 code bytes,
-// then the 8 scales and the 8 correction factors (min - off * scale) that one folded vector meets
-// (low lane: the 4 rows' values for elements 0..15, high lane: for 16..31).
+// A tile of weight rows, widened: per quad and block of 32, 4 x 32 code bytes (codes), then 16
+// factors (factors): the 4 rows' scales of the block's low half's group, of its high half's
+// group, then the same for min - off * scale.
 struct WeightTile {
   std::vector<uint8_t> codes;
   std::vector<float> factors;
   int64_t rows = 0;
 };
 
+// 4 x 8 floats (rows r, groups g..g+7) into u[i] = [group g+i of rows 0-3 | group g+4+i of rows 0-3]
+inline void transpose4x8(const __m256 r[4], __m256 u[4]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  u[0] = _mm256_shuffle_ps(t0, t2, 0x44);
+  u[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+  u[2] = _mm256_shuffle_ps(t1, t3, 0x44);
+  u[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
+// the factors of one quad (rows n0..n0+rows-1 of w, rows <= 4; missing rows get zeros)
+template <int BITS, typename S>
+void quad_factors(const Packed& w, int64_t n0, int64_t rows, float* f) {
+  const int64_t nb = w.K / 32, G = w.group;
+  const float off = kCodeOffset<BITS>;
+  const S* sc[4];
+  const S* mn[4];
+  for (int r = 0; r < 4; ++r) {
+    sc[r] = r < rows ? w.scales_of<S>(n0 + r) : nullptr;
+    mn[r] = r < rows ? w.mins_of<S>(n0 + r) : nullptr;
+  }
+  int64_t b = 0;
+  if (G == 32 || G == 16) {
+    // 8 groups of each row at a time (8 blocks, or 4 of two groups), transposed into the lanes
+    const __m256 ov = _mm256_set1_ps(off);
+    const int64_t per = 32 / G;  // groups per block
+    for (; (b + 8 / per) <= nb; b += 8 / per) {
+      const int64_t g = b * per;
+      __m256 s[4], c[4], us[4], uc[4];
+      for (int r = 0; r < 4; ++r) {
+        if (!sc[r]) {
+          s[r] = c[r] = _mm256_setzero_ps();
+          continue;
+        }
+        s[r] = load8(sc[r] + g);
+        c[r] = _mm256_fnmadd_ps(ov, s[r], mn[r] ? load8(mn[r] + g) : _mm256_setzero_ps());
+      }
+      transpose4x8(s, us);
+      transpose4x8(c, uc);
+      float* fb = f + b * 16;
+      if (per == 1) {  // block b+i: u[i] low lane, block b+4+i: high lane, for both halves
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_ps(fb + i * 16, _mm256_permute2f128_ps(us[i], us[i], 0x00));
+          _mm256_storeu_ps(fb + i * 16 + 8, _mm256_permute2f128_ps(uc[i], uc[i], 0x00));
+          _mm256_storeu_ps(fb + (i + 4) * 16, _mm256_permute2f128_ps(us[i], us[i], 0x11));
+          _mm256_storeu_ps(fb + (i + 4) * 16 + 8, _mm256_permute2f128_ps(uc[i], uc[i], 0x11));
+        }
+      } else {  // groups 2b+j: block b (u0 | u1 low lanes), b+1 (u2 | u3), b+2, b+3 (high lanes)
+        for (int i = 0; i < 2; ++i) {
+          _mm256_storeu_ps(fb + i * 16, _mm256_permute2f128_ps(us[2 * i], us[2 * i + 1], 0x20));
+          _mm256_storeu_ps(fb + i * 16 + 8, _mm256_permute2f128_ps(uc[2 * i], uc[2 * i + 1], 0x20));
+          _mm256_storeu_ps(fb + (i + 2) * 16, _mm256_permute2f128_ps(us[2 * i], us[2 * i + 1], 0x31));
+          _mm256_storeu_ps(fb + (i + 2) * 16 + 8, _mm256_permute2f128_ps(uc[2 * i], uc[2 * i + 1], 0x31));
+        }
+      }
+    }
+  }
+  for (; b < nb; ++b)  // the rest one value at a time: the same values (fnmadd = fma(-off, s, min))
+    for (int r = 0; r < 4; ++r)
+      for (int half = 0; half < 2; ++half) {
+        const int64_t g = G == 16 ? 2 * b + half : b * 32 / G;
+        const float s = sc[r] ? to_float(sc[r][g]) : 0.f;
+        const float m = mn[r] ? to_float(mn[r][g]) : 0.f;
+        f[b * 16 + 4 * half + r] = s;
+        f[b * 16 + 8 + 4 * half + r] = sc[r] ? std::fma(-off, s, m) : 0.f;
+      }
+}
+
 template <int BITS, typename S>
 void widen_tile(const Packed& w, int64_t n0, int64_t rows, WeightTile& t) {
-  const int64_t nb = w.K / 32, G = w.group, quads = (rows + 3) / 4;
-  const float off = kCodeOffset<BITS>;
+  const int64_t nb = w.K / 32, quads = (rows + 3) / 4;
   t.rows = rows;
   t.codes.resize(quads * nb * 128);
   t.factors.resize(quads * nb * 16);
   for (int64_t q = 0; q < quads; ++q) {
+    const int64_t left = std::min<int64_t>(4, rows - 4 * q);
+    quad_factors<BITS, S>(w, n0 + 4 * q, left, t.factors.data() + q * nb * 16);
     for (int j = 0; j < 4; ++j) {
-      const int64_t r = 4 * q + j;
       uint8_t* c = t.codes.data() + q * nb * 128 + j * 32;
-      float* f = t.factors.data() + q * nb * 16 + j;
-      if (r >= rows) {  // padding of the last quad: zero codes, zero scales
-        for (int64_t b = 0; b < nb; ++b) {
-          std::memset(c + b * 128, 0, 32);
-          f[b * 16] = f[b * 16 + 4] = f[b * 16 + 8] = f[b * 16 + 12] = 0.f;
-        }
+      if (j >= left) {  // padding of the last quad: zero codes (and zero factors)
+        for (int64_t b = 0; b < nb; ++b) std::memset(c + b * 128, 0, 32);
         continue;
       }
-      const int64_t n = n0 + r;
-      const uint8_t* p = w.qs + n * w.row_bytes();
-      const S* sc = w.scales_of<S>(n);
-      const S* mn = w.mins_of<S>(n);
+      const uint8_t* p = w.qs + (n0 + 4 * q + j) * w.row_bytes();
       for (int64_t b = 0; b < nb; ++b) {
         if constexpr (BITS == 8) {
           std::memcpy(c + b * 128, p + b * 32, 32);
         } else {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + b * 128), codes32<BITS, true>(p + b * 4 * BITS));
-        }
-        for (int half = 0; half < 2; ++half) {
-          const int64_t g = BITS == 8 ? b * 32 / G : G == 32 ? b : 2 * b + half;
-          const float s = to_float(sc[g]);
-          f[b * 16 + 4 * half] = s;
-          f[b * 16 + 8 + 4 * half] = (mn ? to_float(mn[g]) : 0.f) - off * s;
         }
       }
     }
@@ -94,86 +155,171 @@ void pack_panel(const Activations& a, int64_t m0, uint8_t* panel) {
   }
 }
 
-// acc[m]: rows m of the panel against one quad of weight rows, over all blocks. The four maddubs
+// The four code vectors of block b of a quad: from a widened tile (many activation rows), or
+// unpacked from the packed rows in registers (a few: decode steps), the same bytes either way.
+struct WidenedCodes {
+  const uint8_t* codes;
+  inline void load(int64_t b, __m256i w[4]) const {
+    const __m256i* c = reinterpret_cast<const __m256i*>(codes + b * 128);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_loadu_si256(c + i);
+  }
+};
+
+template <int BITS>
+struct PackedCodes {
+  const uint8_t* row[4];  // a quad's rows (a short last quad repeats a row; its factors are zero)
+  inline void load(int64_t b, __m256i w[4]) const {
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (BITS == 8) {
+        w[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[i] + b * 32));
+      } else {
+        w[i] = codes32<BITS, true>(row[i] + b * 4 * BITS);
+      }
+    }
+  }
+};
+
+// acc[q][m]: rows m of the panel against Q quads of weight rows, over all blocks. The four maddubs
 // products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
 // while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
 // fit for codes up to 31 (4- and 5-bit: 31496 < 2^15) and two for 6-bit codes. Unpacking
 // 32-bit units keeps each row's pair sums side by side, so one madd with ones finishes the fold
 // (two for 6-bit codes) where each product took its own: 3-12% faster than four madds.
-template <int BITS, int MR>
-inline void quad_rows(const uint8_t* codes, const float* factors, const uint8_t* panel, int64_t nb, __m256 acc[MR]) {
+// MINS: the second multiply-add (weights with mins or offset codes; 8-bit codes without mins
+// have none). This is the integer path's register tile: every product, of any number of rows,
+// goes through it. Q = 2 (one or two activation rows) keeps two independent chains of
+// multiply-adds in flight, where one would wait out their latency at every block; each quad's
+// outputs take the same operations either way.
+template <int BITS, int MR, bool MINS, int Q, typename Codes>
+inline void quad_rows(const Codes* codes, const float* const* factors, const uint8_t* panel, int64_t nb,
+                      __m256 acc[Q][MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, codes += 128, factors += 16, panel += kPanelBlock<MR>) {
-    const __m256i* c = reinterpret_cast<const __m256i*>(codes);
-    const __m256i w0 = _mm256_loadu_si256(c), w1 = _mm256_loadu_si256(c + 1), w2 = _mm256_loadu_si256(c + 2),
-                  w3 = _mm256_loadu_si256(c + 3);
-    const __m256 sv = _mm256_loadu_ps(factors), cv = _mm256_loadu_ps(factors + 8);
+  for (int q = 0; q < Q; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, panel += kPanelBlock<MR>) {
     const float* d = reinterpret_cast<const float*>(panel + MR * 32);
-    if constexpr (BITS == 8) {
-      // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
-      // activation row; a pair sum reaches 2 * 127 * 127, so each product is widened to 32 bits
-      // before the fold
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1), a2 = _mm256_abs_epi8(w2),
-                    a3 = _mm256_abs_epi8(w3);
+    for (int q = 0; q < Q; ++q) {
+      __m256i w[4];
+      codes[q].load(b, w);
+      const __m256 sv = _mm256_loadu_ps(factors[q] + b * 16), cv = _mm256_loadu_ps(factors[q] + b * 16 + 8);
+      if constexpr (BITS == 8) {
+        // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
+        // activation row; a pair sum reaches 2 * 128 * 127, so each product is widened to 32
+        // bits before the fold
+        const __m256i a0 = _mm256_abs_epi8(w[0]), a1 = _mm256_abs_epi8(w[1]), a2 = _mm256_abs_epi8(w[2]),
+                      a3 = _mm256_abs_epi8(w[3]);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w[0])), ones);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w[1])), ones);
+          const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x, w[2])), ones);
+          const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_sign_epi8(x, w[3])), ones);
+          const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+          const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+          const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+          acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
+          if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
+        }
+        continue;
+      }
       for (int m = 0; m < MR; ++m) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones);
-        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x, w2)), ones);
-        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_sign_epi8(x, w3)), ones);
-        const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-        const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
+        const __m256i p0 = _mm256_maddubs_epi16(w[0], x), p1 = _mm256_maddubs_epi16(w[1], x);
+        const __m256i p2 = _mm256_maddubs_epi16(w[2], x), p3 = _mm256_maddubs_epi16(w[3], x);
+        __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+        __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+        __m256i h;
+        if constexpr (BITS <= 5) {
+          h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
+        } else {
+          e = _mm256_madd_epi16(e, ones);
+          o = _mm256_madd_epi16(o, ones);
+          h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+        }
+        acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
+        if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
       }
-      continue;
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-      const __m256i p0 = _mm256_maddubs_epi16(w0, x), p1 = _mm256_maddubs_epi16(w1, x);
-      const __m256i p2 = _mm256_maddubs_epi16(w2, x), p3 = _mm256_maddubs_epi16(w3, x);
-      __m256i e = _mm256_add_epi16(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-      __m256i o = _mm256_add_epi16(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-      __m256i h;
-      if constexpr (BITS <= 5) {
-        h = _mm256_madd_epi16(_mm256_add_epi16(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o)), ones);
-      } else {
-        e = _mm256_madd_epi16(e, ones);
-        o = _mm256_madd_epi16(o, ones);
-        h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
-      }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[m]);
     }
   }
 }
 
 constexpr int kTileRows = 4;  // activation rows per register tile
 
-template <int BITS, int MR>
-void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
-                  float* out, int64_t N) {
-  for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
-    __m256 acc[MR];
-    quad_rows<BITS, MR>(t.codes.data() + q * nb * 128, t.factors.data() + q * nb * 16, panel, nb, acc);
-    const int64_t n = n0 + 4 * q;
-    const __m128 bv = bias && t.rows - 4 * q >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m128 v = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), bv);
-      if (t.rows - 4 * q >= 4) {
-        _mm_storeu_ps(out + (m0 + m) * N + n, v);
-      } else {
-        alignas(16) float r[4];
-        _mm_store_ps(r, v);
-        for (int j = 0; 4 * q + j < t.rows; ++j) out[(m0 + m) * N + n + j] = r[j] + (bias ? bias[n + j] : 0.f);
-      }
+// a quad's outputs for MR activation rows: lanes j and j + 4 of acc[m] added, then the bias
+// (weight rows n..n+rows-1, rows <= 4)
+template <int MR>
+inline void store_quad(const __m256 acc[MR], int64_t rows, int64_t m0, int64_t n, const float* bias, float* out,
+                       int64_t N) {
+  const __m128 bv = bias && rows >= 4 ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    const __m128 v = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), bv);
+    if (rows >= 4) {
+      _mm_storeu_ps(out + (m0 + m) * N + n, v);
+    } else {
+      alignas(16) float r[4];
+      _mm_store_ps(r, v);
+      for (int j = 0; j < rows; ++j) out[(m0 + m) * N + n + j] = r[j] + (bias ? bias[n + j] : 0.f);
     }
   }
 }
 
-template <int BITS, typename S>
-void gemm_as(const Packed& w, const Activations& a, const float* bias, float* out) {
+template <int BITS, int MR, bool MINS>
+void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
+                  float* out, int64_t N) {
+  for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
+    __m256 acc[1][MR];
+    const WidenedCodes codes{t.codes.data() + q * nb * 128};
+    const float* factors = t.factors.data() + q * nb * 16;
+    quad_rows<BITS, MR, MINS, 1>(&codes, &factors, panel, nb, acc);
+    store_quad<MR>(acc[0], std::min<int64_t>(4, t.rows - 4 * q), m0, n0 + 4 * q, bias, out, N);
+  }
+}
+
+// Q quads (rows n..n+rows-1, rows <= 4Q) against every panel, their codes unpacked in registers
+template <int BITS, int MR, bool MINS, int Q, typename S>
+void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel, int64_t m0, const float* bias,
+                  float* out, std::vector<float>& buffer) {
+  const int64_t nb = w.K / 32;
+  buffer.resize(Q * nb * 16);
+  PackedCodes<BITS> codes[Q];
+  const float* factors[Q];
+  for (int q = 0; q < Q; ++q) {
+    const int64_t n0 = std::min(n + 4 * q, n + rows - 1), left = std::max<int64_t>(0, std::min<int64_t>(4, rows - 4 * q));
+    quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
+    factors[q] = buffer.data() + q * nb * 16;
+    for (int j = 0; j < 4; ++j) codes[q].row[j] = w.qs + std::min(n0 + j, n + rows - 1) * w.row_bytes();
+  }
+  __m256 acc[Q][MR];
+  quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  for (int q = 0; q < Q && 4 * q < rows; ++q)
+    store_quad<MR>(acc[q], std::min<int64_t>(4, rows - 4 * q), m0, n + 4 * q, bias, out, w.N);
+}
+
+// weight rows n0..n1 against every panel of a few activation rows: two quads at a time for one
+// or two rows (two chains of multiply-adds in flight), one for more
+template <int BITS, bool MINS, typename S>
+void direct_rows(const Packed& w, int64_t n0, int64_t n1, const uint8_t* panels, int64_t full, int64_t rest,
+                 int64_t span, const float* bias, float* out, std::vector<float>& buffer) {
+  constexpr int R = kTileRows;
+  for (int64_t c = 0; c < full; ++c)
+    for (int64_t n = n0; n < n1; n += 4)
+      direct_quads<BITS, R, MINS, 1, S>(w, n, std::min<int64_t>(4, n1 - n), panels + c * span, R * c, bias, out, buffer);
+  const uint8_t* p = panels + full * span;
+  const int64_t m0 = R * full;
+  for (int64_t n = n0; n < n1; n += rest <= 2 ? 8 : 4) {
+    const int64_t rows = std::min<int64_t>(rest <= 2 ? 8 : 4, n1 - n);
+    if (rest == 3) direct_quads<BITS, 3, MINS, 1, S>(w, n, rows, p, m0, bias, out, buffer);
+    else if (rest == 2) direct_quads<BITS, 2, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
+    else if (rest == 1) direct_quads<BITS, 1, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
+  }
+}
+
+// up to this many activation rows (decode steps) each quad's codes are unpacked in registers for
+// every panel; more rows widen tiles that stay in L2 while every row passes over them
+constexpr int64_t kFewRows = 8;
+
+template <int BITS, bool MINS, typename S>
+void product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
   const int64_t N = w.N, K = w.K, M = a.M, nb = K / 32;
   // the activation panels, once per call: rows 4c..4c+3 at c * nb * kPanelBlock<4>, then the
   // last 1-3 rows
@@ -182,7 +328,7 @@ void gemm_as(const Packed& w, const Activations& a, const float* bias, float* ou
   thread_local std::vector<uint8_t> buffer;  // (a lambda would see its own thread's: use the pointer)
   buffer.resize(full * span + nb * kPanelBlock<R - 1>);
   uint8_t* const panels = buffer.data();
-  at::parallel_for(0, full + (rest > 0), 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, full + (rest > 0), 4, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       uint8_t* p = panels + c * span;
       if (c < full) pack_panel<R>(a, R * c, p);
@@ -191,67 +337,60 @@ void gemm_as(const Packed& w, const Activations& a, const float* bias, float* ou
       else pack_panel<1>(a, R * c, p);
     }
   });
-  // a tile's codes (rows x K bytes) stay in L2 while every activation row passes over them; the
-  // tiles, about kTileBytes and at least 8 per thread, go in turn to whichever thread is free (a
-  // core slowed down by another process takes fewer, and the last tile keeps the other waiting
-  // only briefly)
-  constexpr int64_t kTileBytes = 96 << 10;
+  // Shares of weight rows go in turn to whichever thread is free, so a core slowed down by another
+  // process takes fewer and neither waits long for the other at the end. Many rows: a share is a
+  // tile of about kTileBytes of codes (at least 8 per thread), which stays in L2 while every
+  // activation row passes over it; a few rows: about 8 shares per thread, a quad at a time.
   const int64_t threads = at::get_num_threads();
-  int64_t tiles = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
-  const int64_t tile = std::max<int64_t>(4, ((N + tiles - 1) / tiles + 3) / 4 * 4);
-  tiles = (N + tile - 1) / tile;
   std::atomic<int64_t> next{0};
+  if (M <= kFewRows) {
+    const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      thread_local std::vector<float> factors;
+      for (int64_t i; (i = next.fetch_add(1)) < shares;)
+        direct_rows<BITS, MINS, S>(w, i * share, std::min(N, (i + 1) * share), panels, full, rest, span, bias, out,
+                                   factors);
+    });
+    return;
+  }
+  constexpr int64_t kTileBytes = 96 << 10;
+  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+  const int64_t tile = std::max<int64_t>(4, ((N + least - 1) / least + 3) / 4 * 4), tiles = (N + tile - 1) / tile;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local WeightTile t;
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
-      const int64_t n0 = i * tile, rows = std::min(tile, N - n0);
-      widen_tile<BITS, S>(w, n0, rows, t);
-      for (int64_t c = 0; c < full; ++c) tile_outputs<BITS, R>(t, panels + c * span, nb, R * c, n0, bias, out, N);
+      const int64_t n0 = i * tile;
+      widen_tile<BITS, S>(w, n0, std::min(tile, N - n0), t);
+      for (int64_t c = 0; c < full; ++c) tile_outputs<BITS, R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N);
       const uint8_t* p = panels + full * span;
-      if (rest == 3) tile_outputs<BITS, 3>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 2) tile_outputs<BITS, 2>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 1) tile_outputs<BITS, 1>(t, p, nb, R * full, n0, bias, out, N);
+      if (rest == 3) tile_outputs<BITS, 3, MINS>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 2) tile_outputs<BITS, 2, MINS>(t, p, nb, R * full, n0, bias, out, N);
+      else if (rest == 1) tile_outputs<BITS, 1, MINS>(t, p, nb, R * full, n0, bias, out, N);
     }
   });
 }
 
-}  // namespace
-
-bool int8_gemm_path(const Packed& w) {
-  return ((w.bits == 4 || w.bits == 5 || w.bits == 6) || (w.bits == 8 && w.group % 32 == 0 && !w.mins)) &&
-         w.K % 32 == 0;
-}
-
-bool product_rows_takes(const Packed& w, int64_t M, bool int8) {
-  return (int8 && int8_gemm_path(w)) || M <= (int8 && int8_path(w) ? 2 * kMaxDirectRows : kMaxDirectRows);
-}
-
-void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
-                  Activations& a) {
-  // from 9 rows on, the tiles beat the direct kernel (1.3-1.6x at 16 rows), below it the widening
-  // of the weight does not pay
-  const bool gemm = int8 && int8_gemm_path(w) && M > kMaxDirectRows;
-  a.prepare(x, M, w.K, gemm || w.mins != nullptr || (int8 && unsigned_offset(w)), int8 && int8_path(w));
-  if (gemm) {
-    int8_gemm(w, a, bias, out);
-  } else {
-    small_matmul(w, a, bias, out);
+template <typename S>
+void product_of(const Packed& w, const Activations& a, const float* bias, float* out) {
+  switch (w.bits) {
+    case 4: return product_as<4, true, S>(w, a, bias, out);
+    case 5: return product_as<5, true, S>(w, a, bias, out);
+    case 6: return product_as<6, true, S>(w, a, bias, out);
+    default:
+      if (w.mins) return product_as<8, true, S>(w, a, bias, out);
+      return product_as<8, false, S>(w, a, bias, out);
   }
 }
 
-void int8_gemm(const Packed& w, const Activations& a, const float* bias, float* out) {
-  TORCH_CHECK(a.quantized && a.K == w.K && int8_gemm_path(w), "int8_gemm: 8-bit activation rows and 4-, 5- or 6-bit codes");
-  TORCH_CHECK(!a.sums.empty(), "int8_gemm needs the activation sums");
+}  // namespace
+
+void int8_product(const Packed& w, const Activations& a, const float* bias, float* out) {
+  TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
+              "int8_product: 8-bit activation rows of the weight's length");
   if (w.half) {
-    if (w.bits == 4) gemm_as<4, uint16_t>(w, a, bias, out);
-    else if (w.bits == 5) gemm_as<5, uint16_t>(w, a, bias, out);
-    else if (w.bits == 6) gemm_as<6, uint16_t>(w, a, bias, out);
-    else gemm_as<8, uint16_t>(w, a, bias, out);
+    product_of<uint16_t>(w, a, bias, out);
   } else {
-    if (w.bits == 4) gemm_as<4, float>(w, a, bias, out);
-    else if (w.bits == 5) gemm_as<5, float>(w, a, bias, out);
-    else if (w.bits == 6) gemm_as<6, float>(w, a, bias, out);
-    else gemm_as<8, float>(w, a, bias, out);
+    product_of<float>(w, a, bias, out);
   }
 }
 

@@ -1,15 +1,11 @@
-// The products of a few activation rows with a packed weight matrix (decode steps).
+// The packed weight view, the 8-bit rounding of activation rows and the float path of the products
+// (see kernels.h for the operation sequence every product keeps).
 //
-// Float path: each weight group is widened to float in registers and dotted with up to 8 rows at
-// once, so the weights are read once per step; the result equals dequantize-then-matmul up to
-// float rounding.
-// Integer path (ggml's q8 dot products): each row is rounded to 8-bit codes with one scale per 32
-// elements, and weight codes meet them in maddubs/madd integer dot products, about half the
-// instructions per weight of the float path. 4-, 5- and 6-bit codes stay unsigned (their stored
-// bits), which maddubs takes as they are, and a row's offsets and mins meet the activation sums
-// once per row; the scale products of a row are formed 8 at a time before its blocks. It changes
-// the numerics the way llama.cpp's CPU backend does (activations carry about 2-3 significant
-// digits).
+// The float path dequantizes the weight a tile of rows at a time into a per-thread buffer that
+// stays in the core's L2 cache (a float32 weight is read where it is), and every chunk of up to 4
+// activation rows passes over it in register tiles: 1 activation row against 8 weight rows (eight
+// independent chains hide the fma's latency), 2 against 4, 3 or 4 against 3 (12 accumulators).
+// One code for decode steps and prompts: a token's row comes out the same in either.
 #include "kernels.h"
 
 #include <c10/util/Exception.h>
@@ -74,25 +70,14 @@ inline float q8_block(const float* p, __m256 v[4]) {
 
 }  // namespace
 
-void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sums, bool int8) {
+void Activations::prepare(const float* rows, int64_t m, int64_t k) {
+  TORCH_CHECK(k % 32 == 0, "8-bit activation rows are whole blocks of 32");
   x = rows;
   M = m;
   K = k;
-  quantized = int8 && k % 32 == 0;
-  if (with_sums && k % 16 == 0 && !quantized) {
-    sums.resize(m * (k / 16));
-    for (int64_t i = 0; i < m * (k / 16); ++i) {
-      const float* p = rows + i * 16;
-      float s = 0.f;
-      for (int j = 0; j < 16; ++j) s += p[j];
-      sums[i] = s;
-    }
-  }
-  if (!quantized) return;
   q8.resize(m * k);
   d8.resize(m * (k / 32));
-  // the mins meet the rounded values too, so every path sees the same numbers
-  if (with_sums) sums.resize(m * (k / 16));
+  sums.resize(m * (k / 16));
   // ggml's quantize_row_q8_0 in AVX2: scale by 127 / amax, round to nearest even, pack to bytes
   at::parallel_for(0, m * (k / 32), 64, [&](int64_t b0, int64_t b1) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -107,328 +92,233 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k, bool with_sum
       const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q8.data() + b * 32), bytes);
-      if (with_sums) {  // the codes are within +-127, so the int32 sums are exact
-        alignas(32) int32_t s[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[0], q[1]));
-        const int32_t lo = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[2], q[3]));
-        const int32_t hi = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-        sums[2 * b] = d * (float)lo;
-        sums[2 * b + 1] = d * (float)hi;
-      }
-    }
-  });
-}
-
-void round_rows_q8(const float* x, float* out, int64_t blocks) {
-  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      __m256 v[4];
-      const float d = q8_block(x + b * 32, v);
-      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f), dv = _mm256_set1_ps(d);
-      for (int i = 0; i < 4; ++i)
-        _mm256_storeu_ps(out + b * 32 + 8 * i,
-                         _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), dv));
+      // the codes are within +-127, so the int32 sums are exact
+      alignas(32) int32_t s[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[0], q[1]));
+      const int32_t lo = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_add_epi32(q[2], q[3]));
+      const int32_t hi = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+      sums[2 * b] = d * (float)lo;
+      sums[2 * b + 1] = d * (float)hi;
     }
   });
 }
 
 bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
 
-bool unsigned_offset(const Packed& w) { return w.bits == 5 || w.bits == 6; }
+void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
+                  Activations& a) {
+  if (int8 && int8_path(w)) {
+    a.prepare(x, M, w.K);
+    int8_product(w, a, bias, out);
+  } else {
+    float_product(w, x, M, bias, out);
+  }
+}
 
 namespace {
 
-// [M, groups]: the sums of each activation row over each group of w, for its mins
-std::vector<float> group_sums(const Packed& w, const Activations& a) {
-  const int64_t per = w.group / 16, ng = w.groups;
-  std::vector<float> gsum(a.M * ng, 0.f);
-  for (int64_t m = 0; m < a.M; ++m)
-    for (int64_t g = 0; g < ng; ++g)
-      for (int64_t i = 0; i < per; ++i) gsum[m * ng + g] += a.sums[m * (a.K / 16) + g * per + i];
-  return gsum;
-}
-
-template <int MR, typename S>
-void float_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
-                float* out, int64_t n0, int64_t n1, float*) {
-  const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N;
-  const float* x = a.x + m0 * K;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR];
-    float off[MR];
-    for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
-    const uint8_t* q = w.qs + n * w.row_bytes();
-    if (w.bits == 32) {
-      const float* wr = reinterpret_cast<const float*>(q);
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8) {
-        const __m256 v = _mm256_loadu_ps(wr + k);
-        for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + m * K + k), acc[m]);
-      }
-      for (; k < K; ++k)
-        for (int m = 0; m < MR; ++m) off[m] += wr[k] * x[m * K + k];
-    } else if (w.bits == 8) {
-      const S* sc = w.scales_of<S>(n);
-      for (int64_t g = 0; g < ng; ++g) {
-        __m256 t[MR];
-        for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < G; c += 16) {
-          __m256 v[2];
-          widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * G + c, v);
-          for (int m = 0; m < MR; ++m) {
-            const float* xp = x + m * K + g * G + c;
-            t[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xp), t[m]);
-            t[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), t[m]);
-          }
-        }
-        const __m256 d = _mm256_set1_ps(to_float(sc[g]));
-        for (int m = 0; m < MR; ++m) acc[m] = _mm256_fmadd_ps(d, t[m], acc[m]);
-      }
-    } else {  // blocks of 32 codes, one or two scales each
-      const S* sc = w.scales_of<S>(n);
-      const int64_t block_bytes = 4 * w.bits;
-      for (int64_t b = 0; b < K / 32; ++b) {
-        __m256 v[4];
-        const uint8_t* p = q + b * block_bytes;
-        widen_block(w.bits, p, v);
-        const __m256 d0 = _mm256_set1_ps(to_float(sc[G == 32 ? b : 2 * b]));
-        const __m256 d1 = G == 32 ? d0 : _mm256_set1_ps(to_float(sc[2 * b + 1]));
-        for (int m = 0; m < MR; ++m) {
-          const float* xp = x + m * K + b * 32;
-          const __m256 t0 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xp)));
-          const __m256 t1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xp + 16)));
-          if (G == 32) {
-            acc[m] = _mm256_fmadd_ps(d0, _mm256_add_ps(t0, t1), acc[m]);
-          } else {
-            acc[m] = _mm256_fmadd_ps(d1, t1, _mm256_fmadd_ps(d0, t0, acc[m]));
-          }
-        }
+template <typename S>
+void dequant_row_as(const Packed& w, int64_t n, float* dst) {
+  const uint8_t* q = w.qs + n * w.row_bytes();
+  const S* sc = w.scales_of<S>(n);
+  const S* mn = w.mins_of<S>(n);
+  const int64_t G = w.group;
+  if (w.bits == 8) {
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const __m256 d = _mm256_set1_ps(to_float(sc[g])), m = _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f);
+      for (int64_t c = 0; c < G; c += 16) {
+        __m256 v[2];
+        widen_q8x16(reinterpret_cast<const int8_t*>(q) + g * G + c, v);
+        for (int i = 0; i < 2; ++i) _mm256_storeu_ps(dst + g * G + c + i * 8, _mm256_fmadd_ps(v[i], d, m));
       }
     }
-    if (const S* mn = w.mins_of<S>(n))
-      for (int m = 0; m < MR; ++m) off[m] += dot_mixed(mn, gsum + (m0 + m) * ng, ng);
-    const float b = bias ? bias[n] : 0.f;
-    for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + off[m] + b;
-  }
-}
-
-// Per weight row, before its blocks: for each of the MR activation rows, the weight scale times the
-// activation scale of every scale unit (a block of 32, or a half block for groups of 16), so that
-// a block's product takes one broadcast where it took a float16 conversion and a multiply:
-// sd[m * units + u]; and, with `offset`, sum_g (min_g - off * scale_g) * gsum[m, g] (gsum: the
-// row's sums over each group), the weight's mins and the offset of unsigned 5- and 6-bit codes.
-// One pass, 8 units at a time, then 4: a scalar float16 tail cost as much as the vector part.
-template <int MR, typename S, bool WEIGHT_ONLY = false>
-void row_prologue(const S* sc, const S* mn, int64_t G, float off, bool offset, const float* xd, const float* gsum,
-                  int64_t nb, float* sd, float offs[MR]) {
-  for (int m = 0; m < MR; ++m) offs[m] = 0.f;
-  if (G > 32) {  // one scale for several blocks (a scale per row, say): few rows take this path
-    for (int m = 0; m < MR; ++m)
-      for (int64_t b = 0; b < nb; ++b) sd[m * nb + b] = to_float(sc[b * 32 / G]) * xd[m * nb + b];
-    const int64_t ng = nb * 32 / G;
-    if (offset)
-      for (int64_t g = 0; g < ng; ++g) {
-        const float c = (mn ? to_float(mn[g]) : 0.f) - off * to_float(sc[g]);
-        for (int m = 0; m < MR; ++m) offs[m] += c * gsum[m * ng + g];
-      }
     return;
   }
-  const int64_t units = G == 16 ? 2 * nb : nb;  // = the groups
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  const __m256 ov = _mm256_set1_ps(off);
-  int64_t u = 0;
-  for (; u + 8 <= units; u += 8) {
-    const __m256 s = load8(sc + u);
-    const __m256 c = offset ? _mm256_fnmadd_ps(ov, s, mn ? load8(mn + u) : _mm256_setzero_ps()) : s;
-    if (WEIGHT_ONLY) _mm256_storeu_ps(sd + u, s);
+  for (int64_t b = 0; b < w.K / 32; ++b) {  // blocks of 32 codes, in one or two groups
+    __m256 v[4];
+    widen_block(w.bits, q + b * 4 * w.bits, v);
+    for (int i = 0; i < 4; ++i) {
+      const int64_t g = (b * 32 + i * 8) / G;
+      const __m256 d = _mm256_set1_ps(to_float(sc[g])), m = _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f);
+      _mm256_storeu_ps(dst + b * 32 + i * 8, _mm256_fmadd_ps(v[i], d, m));
+    }
+  }
+}
+
+// MR activation rows (x, row stride K) against NR weight rows (float32, wr[n]) over all of K, into
+// out (row stride N): the float path's operation sequence (kernels.h) for each output
+template <int MR, int NR>
+void dot_tile(const float* x, int64_t K, const float* const* wr, const float* bias, float* out, int64_t N) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(wr[n] + k);
     for (int m = 0; m < MR; ++m) {
-      if (!WEIGHT_ONLY) {
-        const __m256 d = G == 16 ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + m * nb + u / 2)), pairs)
-                                 : _mm256_loadu_ps(xd + m * nb + u);
-        _mm256_storeu_ps(sd + m * units + u, _mm256_mul_ps(s, d));
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = hsum(acc[m][n]);
+      for (int64_t k = K8; k < K; ++k) s = std::fma(wr[n][k], x[m * K + k], s);
+      out[m * N + n] = bias ? s + bias[n] : s;
+    }
+}
+
+// MR activation rows against NR packed weight rows (n..n+NR-1), each block of codes dequantized in
+// registers: the values dequant_row gives and the chain dot_tile runs on them, without the buffer
+// (a decode step's few rows would pay more for the buffer's stores and loads than they save)
+template <int BITS, int MR, int NR, typename S>
+void dequant_dot_tile(const Packed& w, int64_t n, const float* x, const float* bias, float* out) {
+  const int64_t K = w.K, G = w.group, N = w.N;
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const auto step = [&](int r, int64_t k, __m256 v, int64_t g) __attribute__((always_inline)) {
+    const S* mn = w.mins_of<S>(n + r);
+    const __m256 wv = _mm256_fmadd_ps(v, _mm256_set1_ps(to_float(w.scales_of<S>(n + r)[g])),
+                                      _mm256_set1_ps(mn ? to_float(mn[g]) : 0.f));
+    for (int m = 0; m < MR; ++m) acc[m][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m][r]);
+  };
+  if constexpr (BITS == 8) {
+    for (int64_t k = 0; k < K; k += 16)
+      for (int r = 0; r < NR; ++r) {
+        __m256 v[2];
+        widen_q8x16(reinterpret_cast<const int8_t*>(w.qs + (n + r) * w.row_bytes()) + k, v);
+        step(r, k, v[0], k / G);
+        step(r, k + 8, v[1], k / G);
       }
-      if (offset) acc[m] = _mm256_fmadd_ps(c, _mm256_loadu_ps(gsum + m * units + u), acc[m]);
+  } else {
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int r = 0; r < NR; ++r) {
+        const __m256i q = codes32<BITS>(w.qs + (n + r) * w.row_bytes() + b * 4 * BITS);
+        const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        step(r, b * 32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), (b * 32) / G);
+        step(r, b * 32 + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), (b * 32 + 8) / G);
+        step(r, b * 32 + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), (b * 32 + 16) / G);
+        step(r, b * 32 + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), (b * 32 + 24) / G);
+      }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      const float s = hsum(acc[m][r]);
+      out[m * N + n + r] = bias ? s + bias[n + r] : s;
     }
-  }
-  __m128 acc4[MR];
-  for (int m = 0; m < MR; ++m) acc4[m] = _mm_setzero_ps();
-  if (u + 4 <= units) {
-    const __m128 s = load4(sc + u);
-    const __m128 c = offset ? _mm_fnmadd_ps(_mm_set1_ps(off), s, mn ? load4(mn + u) : _mm_setzero_ps()) : s;
-    if (WEIGHT_ONLY) _mm_storeu_ps(sd + u, s);
-    for (int m = 0; m < MR; ++m) {
-      const float* x = xd + m * nb;
-      const __m128 d = G == 16 ? _mm_setr_ps(x[u / 2], x[u / 2], x[u / 2 + 1], x[u / 2 + 1]) : _mm_loadu_ps(x + u);
-      if (!WEIGHT_ONLY) _mm_storeu_ps(sd + m * units + u, _mm_mul_ps(s, d));
-      if (offset) acc4[m] = _mm_fmadd_ps(c, _mm_loadu_ps(gsum + m * units + u), acc4[m]);
-    }
-    u += 4;
-  }
-  for (int m = 0; m < MR; ++m) {
-    const __m128 s4 = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1)), acc4[m]);
-    __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    offs[m] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  }
-  for (; u < units; ++u) {
-    const float s = to_float(sc[u]);
-    const float c = (mn ? to_float(mn[u]) : 0.f) - off * s;
-    if (WEIGHT_ONLY) sd[u] = s;
-    for (int m = 0; m < MR; ++m) {
-      if (!WEIGHT_ONLY) sd[m * units + u] = s * xd[m * nb + (G == 16 ? u / 2 : u)];
-      if (offset) offs[m] += c * gsum[m * units + u];
+}
+
+// a few activation rows (MR <= 4) against weight rows n0..n1, NR at a time (NR * MR chains)
+template <int BITS, int MR, typename S>
+void dequant_rows(const Packed& w, int64_t n0, int64_t n1, const float* x, const float* bias, float* out) {
+  constexpr int NR = MR == 1 ? 8 : MR == 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) dequant_dot_tile<BITS, MR, NR, S>(w, n, x, bias, out);
+  for (; n < n1; ++n) dequant_dot_tile<BITS, MR, 1, S>(w, n, x, bias, out);
+}
+
+template <int BITS, typename S>
+void dequant_rows_of(const Packed& w, int64_t n0, int64_t n1, const float* x, int64_t M, const float* bias,
+                     float* out) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = x + m0 * w.K;
+    float* om = out + m0 * w.N;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: dequant_rows<BITS, 1, S>(w, n0, n1, xm, bias, om); break;
+      case 2: dequant_rows<BITS, 2, S>(w, n0, n1, xm, bias, om); break;
+      case 3: dequant_rows<BITS, 3, S>(w, n0, n1, xm, bias, om); break;
+      default: dequant_rows<BITS, 4, S>(w, n0, n1, xm, bias, om);
     }
   }
 }
-
-// One weight row against MR activation rows over all blocks: 4-, 5- and 6-bit codes stay unsigned
-// (maddubs is u8 x s8; the offsets of 5- and 6-bit codes meet the activation sums afterwards), 8-bit
-// ones take ggml's sign trick.
-// LATE (more than 2 rows): sd holds the weight's scales alone, and each row's block multiplies
-// them by its activation scale: the products of every row cost the prologue more than they saved
-// (0.81x for Q6_K at 8 rows, whose two halves' products took two broadcasts and an insert). At 8
-// rows the pairs of blocks still cost registers: 0.94-0.97x for Q4_K/Q6_K, 1.02-1.05x for Q5_0.
-template <int MR, int BITS, bool HALVES, bool LATE = false>
-inline void int8_row(const uint8_t* q, const int8_t* xq, const float* xd, const float* sd, int64_t K, int64_t nb,
-                     __m256 acc[MR]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t units = HALVES ? 2 * nb : nb;
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  auto codes = [&](int64_t b, __m256i& wv, __m256i& sw) __attribute__((always_inline)) {
-    if constexpr (BITS == 8) {
-      sw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
-      wv = _mm256_sign_epi8(sw, sw);
-    } else {
-      wv = codes32<BITS, true>(q + b * 4 * BITS);
-    }
-  };
-  auto weight_scale = [&](int64_t b) __attribute__((always_inline)) {
-    return HALVES ? _mm256_set_m128(_mm_broadcast_ss(sd + 2 * b + 1), _mm_broadcast_ss(sd + 2 * b))
-                  : _mm256_broadcast_ss(sd + b);
-  };
-  // block b's dot product for row m, as floats times its scale product (still to be multiplied)
-  auto product = [&](int64_t b, int m, __m256i wv, __m256i sw, __m256 wscale, __m256& p, __m256& scale)
-      __attribute__((always_inline)) {
-    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
-    if constexpr (BITS == 8) xv = _mm256_sign_epi8(xv, sw);
-    p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
-    const float* s = sd + m * units;
-    if constexpr (LATE) scale = _mm256_mul_ps(wscale, _mm256_broadcast_ss(xd + m * nb + b));
-    else if constexpr (HALVES) scale = _mm256_set_m128(_mm_broadcast_ss(s + 2 * b + 1), _mm_broadcast_ss(s + 2 * b));
-    else scale = _mm256_broadcast_ss(s + b);
-  };
-  // Two blocks at a time, added to the row's sum together: one chain of multiply-adds per block
-  // would wait out the FMA's latency at every block when there are few activation rows. Every
-  // row count sums in this order, so a row's result does not depend on the rows beside it.
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    __m256i w0, s0, w1, s1;
-    codes(b, w0, s0);
-    codes(b + 1, w1, s1);
-    __m256 ws0, ws1;
-    if constexpr (LATE) {
-      ws0 = weight_scale(b);
-      ws1 = weight_scale(b + 1);
-    }
-    for (int m = 0; m < MR; ++m) {
-      __m256 p0, c0, p1, c1;
-      product(b, m, w0, s0, ws0, p0, c0);
-      product(b + 1, m, w1, s1, ws1, p1, c1);
-      acc[m] = _mm256_add_ps(acc[m], _mm256_fmadd_ps(p1, c1, _mm256_mul_ps(p0, c0)));
-    }
-  }
-  if (b < nb) {
-    __m256i w, sw;
-    codes(b, w, sw);
-    __m256 ws;
-    if constexpr (LATE) ws = weight_scale(b);
-    for (int m = 0; m < MR; ++m) {
-      __m256 p, c;
-      product(b, m, w, sw, ws, p, c);
-      acc[m] = _mm256_fmadd_ps(p, c, acc[m]);
-    }
-  }
-}
-
-template <int MR, int BITS, typename S>
-void int8_rows(const Packed& w, const Activations& a, const float* gsum, int64_t m0, const float* bias,
-               float* out, int64_t n0, int64_t n1, float* sd) {
-  const int64_t K = w.K, G = w.group, ng = w.groups, N = w.N, nb = K / 32;
-  const int8_t* xq = a.q8.data() + m0 * K;
-  const float* xd = a.d8.data() + m0 * nb;
-  const float off = kCodeOffset<BITS>;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[MR];
-    float offs[MR];
-    const uint8_t* q = w.qs + n * w.row_bytes();
-    const S* sc = w.scales_of<S>(n);
-    const S* mn = w.mins_of<S>(n);
-    const float* gs = gsum ? gsum + m0 * ng : nullptr;
-    if (MR > 2 && G <= 32) {
-      row_prologue<MR, S, true>(sc, mn, G, off, mn || off != 0.f, xd, gs, nb, sd, offs);
-      if (G == 16) int8_row<MR, BITS, true, true>(q, xq, xd, sd, K, nb, acc);
-      else int8_row<MR, BITS, false, true>(q, xq, xd, sd, K, nb, acc);
-    } else {
-      row_prologue<MR, S>(sc, mn, G, off, mn || off != 0.f, xd, gs, nb, sd, offs);
-      if (G == 16) int8_row<MR, BITS, true>(q, xq, xd, sd, K, nb, acc);
-      else int8_row<MR, BITS, false>(q, xq, xd, sd, K, nb, acc);
-    }
-    const float bv = bias ? bias[n] : 0.f;
-    for (int m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(acc[m]) + offs[m] + bv;
-  }
-}
-
-// (..., n0, n1, scratch): scratch holds kMaxDirectRows * K / 16 floats
-using RowsFn = void (*)(const Packed&, const Activations&, const float*, int64_t, const float*, float*, int64_t,
-                        int64_t, float*);
-using RowsTable = std::array<RowsFn, kMaxDirectRows>;
-
-template <typename S, int... M>
-constexpr RowsTable float_table(std::integer_sequence<int, M...>) { return {float_rows<M + 1, S>...}; }
-template <int BITS, typename S, int... M>
-constexpr RowsTable int8_table(std::integer_sequence<int, M...>) { return {int8_rows<M + 1, BITS, S>...}; }
 
 template <typename S>
-const RowsTable& rows_table(const Packed& w, bool integer) {
-  constexpr auto rows = std::make_integer_sequence<int, kMaxDirectRows>{};
-  static constexpr RowsTable kFloat = float_table<S>(rows), kInt4 = int8_table<4, S>(rows),
-                             kInt5 = int8_table<5, S>(rows), kInt6 = int8_table<6, S>(rows),
-                             kInt8 = int8_table<8, S>(rows);
-  if (!integer) return kFloat;
-  return w.bits == 4 ? kInt4 : w.bits == 5 ? kInt5 : w.bits == 6 ? kInt6 : kInt8;
+void dequant_rows_as(const Packed& w, int64_t n0, int64_t n1, const float* x, int64_t M, const float* bias,
+                     float* out) {
+  switch (w.bits) {
+    case 4: return dequant_rows_of<4, S>(w, n0, n1, x, M, bias, out);
+    case 5: return dequant_rows_of<5, S>(w, n0, n1, x, M, bias, out);
+    case 6: return dequant_rows_of<6, S>(w, n0, n1, x, M, bias, out);
+    default: return dequant_rows_of<8, S>(w, n0, n1, x, M, bias, out);
+  }
+}
+
+using DotFn = void (*)(const float*, int64_t, const float* const*, const float*, float*, int64_t);
+constexpr int kMaxTileRows = 4;            // activation rows per register tile
+constexpr int kTileCols[5] = {0, 8, 4, 3, 3};  // weight rows per register tile, by activation rows
+
+template <int MR, int... NR>
+constexpr std::array<DotFn, 8> dot_row(std::integer_sequence<int, NR...>) { return {dot_tile<MR, NR + 1>...}; }
+
+const DotFn* dot_tiles(int mr) {
+  constexpr auto cols = std::make_integer_sequence<int, 8>{};
+  static constexpr std::array<DotFn, 8> k1 = dot_row<1>(cols), k2 = dot_row<2>(cols), k3 = dot_row<3>(cols),
+                                        k4 = dot_row<4>(cols);
+  return mr == 1 ? k1.data() : mr == 2 ? k2.data() : mr == 3 ? k3.data() : k4.data();
 }
 
 }  // namespace
 
-constexpr int64_t kWeightTile = 16;
+void dequant_row(const Packed& w, int64_t n, float* dst) {
+  if (w.bits == 32) {
+    std::memcpy(dst, w.qs + n * w.row_bytes(), sizeof(float) * w.K);
+  } else if (w.half) {
+    dequant_row_as<uint16_t>(w, n, dst);
+  } else {
+    dequant_row_as<float>(w, n, dst);
+  }
+}
 
-void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out) {
-  TORCH_CHECK(a.K == w.K, "activation rows have ", a.K, " elements, the weight expects ", w.K);
-  const bool integer = a.quantized && int8_path(w);
-  const bool with_sums = w.mins || (integer && unsigned_offset(w));
-  TORCH_CHECK(!with_sums || !a.sums.empty(), "weights with mins or offset codes need the activation sums");
-  const RowsTable& table = w.half ? rows_table<uint16_t>(w, integer) : rows_table<float>(w, integer);
-  std::vector<float> gsum;
-  if (with_sums) gsum = group_sums(w, a);
-  const float* gs = gsum.empty() ? nullptr : gsum.data();
-  // a tile of weight rows stays in L1 while every chunk of activation rows passes it; the tiles go
-  // in turn to whichever thread is free, so a core slowed down by another process takes fewer
-  // and neither waits long for the other at the end (about 8 shares per thread)
+// up to this many activation rows, packed weights are dequantized in registers (decode steps)
+constexpr int64_t kFewFloatRows = 4;
+
+void float_product(const Packed& w, const float* x, int64_t M, const float* bias, float* out) {
+  const int64_t N = w.N, K = w.K;
+  const bool dense = w.bits == 32;  // read in place
+  if (!dense && M <= kFewFloatRows) {
+    // about 8 shares of weight rows per thread, from an atomic counter
+    const int64_t threads = at::get_num_threads();
+    const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1)) < shares;) {
+        const int64_t n0 = i * share, n1 = std::min(N, n0 + share);
+        if (w.half) dequant_rows_as<uint16_t>(w, n0, n1, x, M, bias, out);
+        else dequant_rows_as<float>(w, n0, n1, x, M, bias, out);
+      }
+    });
+    return;
+  }
+  // tiles of weight rows (about 128 KiB of float32) from an atomic counter: a core slowed down by
+  // another process takes fewer, and neither waits long for the other at the end
   const int64_t threads = at::get_num_threads();
-  const int64_t share = std::max<int64_t>(1, w.N / (8 * threads * kWeightTile)) * kWeightTile;
-  const int64_t shares = (w.N + share - 1) / share;
+  int64_t tile = std::max<int64_t>(8, (128 << 10) / (4 * K) / 8 * 8);
+  tile = std::min(tile, std::max<int64_t>(8, (N + 4 * threads - 1) / (4 * threads) + 7) / 8 * 8);
+  const int64_t tiles = (N + tile - 1) / tile;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(kMaxDirectRows * (w.K / 16 + 1));
-    for (int64_t i; (i = next.fetch_add(1)) < shares;) {
-      const int64_t n1 = std::min(w.N, (i + 1) * share);
-      for (int64_t t0 = i * share; t0 < n1; t0 += kWeightTile) {
-        const int64_t t1 = std::min(n1, t0 + kWeightTile);
-        for (int64_t m0 = 0; m0 < a.M; m0 += kMaxDirectRows) {
-          const int64_t mr = std::min<int64_t>(kMaxDirectRows, a.M - m0);
-          table[mr - 1](w, a, gs, m0, bias, out, t0, t1, scratch.data());
+    thread_local std::vector<float> buffer;
+    if (!dense) buffer.resize(tile * K);
+    std::vector<const float*> rows(tile);
+    for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
+      const int64_t n0 = i * tile, nt = std::min(tile, N - n0);
+      for (int64_t r = 0; r < nt; ++r) {
+        if (dense) {
+          rows[r] = reinterpret_cast<const float*>(w.qs) + (n0 + r) * K;
+        } else {
+          dequant_row(w, n0 + r, buffer.data() + r * K);
+          rows[r] = buffer.data() + r * K;
+        }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+        const int mr = (int)std::min<int64_t>(kMaxTileRows, M - m0);
+        const DotFn* fns = dot_tiles(mr);
+        for (int64_t r = 0; r < nt; r += kTileCols[mr]) {
+          const int nr = (int)std::min<int64_t>(kTileCols[mr], nt - r);
+          fns[nr - 1](x + m0 * K, K, rows.data() + r, bias ? bias + n0 + r : nullptr, out + m0 * N + n0 + r, N);
         }
       }
     }

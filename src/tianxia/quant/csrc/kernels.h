@@ -29,8 +29,6 @@
 
 namespace tianxia {
 
-constexpr int64_t kMaxDirectRows = 8;
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -151,51 +149,49 @@ struct Packed {
 Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
               int64_t group);
 
-// Activation rows prepared for a product: float rows, their per-group sums (for weights with
-// mins) and, for the integer path, their 8-bit codes and per-32 scales.
+// ---- products with a weight: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) ----
+//
+// Every product computes each output (m, n) by one fixed sequence of float operations that
+// depends only on x's row m, w's row n and the weight's layout: not on the number of rows M, on
+// the rows beside m, on which thread takes row n, nor on the register tile that computes it. A
+// token's row is therefore the same in a prompt of any length, in a decode step of any batch,
+// chunked or not, and the prompt and decode paths agree bit for bit. Threads split the weight
+// rows, never K. The register tiles are the inner loops a per-ISA variant replaces (they must
+// keep these operation sequences):
+//
+// Float path (float32 activations, float32 weights): w dequantized with one rounding,
+// fma(q, scale, min); per output one chain of 8-lane fmas over k ascending (lane j: k = j mod 8),
+// then hsum, then the K % 8 tail by scalar fmas, then + bias.
+// Integer path (8-bit activations, K a multiple of 32): per output and block of 32, the exact
+// integer dot products of its two halves with the 8-bit codes, and per half one chain over the
+// blocks: acc = fma(dot, scale * act_scale, acc); acc = fma(min - off * scale, act_half_sum, acc)
+// (the second only where the weight has mins or offset codes); then (lo + hi) + bias.
+
+// Activation rows rounded for the integer path: 8-bit codes with one scale per 32 values and the
+// sums of each 16 rounded values (for the weights' mins and code offsets)
 struct Activations {
   const float* x = nullptr;
   int64_t M = 0, K = 0;
-  std::vector<float> sums;   // [M, K / 16]: sums over each 16 elements
   std::vector<int8_t> q8;    // [M, K]
   std::vector<float> d8;     // [M, K / 32]
-  bool quantized = false;
-  // int8 (and K a multiple of 32): round each 32 values to 8-bit codes; the sums (for weights
-  // with mins) are then of the rounded values
-  void prepare(const float* rows, int64_t m, int64_t k, bool with_sums, bool int8);
+  std::vector<float> sums;   // [M, K / 16]
+  void prepare(const float* rows, int64_t m, int64_t k);  // k a multiple of 32
 };
 
-// out = x rounded as Activations::prepare rounds it (8-bit codes times their scale per 32 values),
-// in one pass: the prefill path multiplies these rows with BLAS
-void round_rows_q8(const float* x, float* out, int64_t blocks);
-
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for all n, m < a.M (any M; rows go in chunks of
-// kMaxDirectRows, the weights are read once per chunk); parallel over n.
-void small_matmul(const Packed& w, const Activations& a, const float* bias, float* out);
-
-// Whether the integer dot products (8-bit activations) are used for products with `w`.
+// Whether products with `w` take the integer path when the activations are 8-bit.
 bool int8_path(const Packed& w);
 
-// Whether the integer products with `w` keep 5- or 6-bit codes unsigned (stored bits, 0..31 or
-// 0..63) and take off their offset (16 or 32 times the scale) with the activation sums.
-bool unsigned_offset(const Packed& w);
-
-// Whether int8_gemm takes `w`: codes of 4, 5 or 6 bits, or 8-bit codes in groups of 32 (or a
-// multiple) without mins.
-bool int8_gemm_path(const Packed& w);
-
-// out = x w^T (+ bias) for M rows of x, with the activations prepared in `a`: the direct kernels
-// for up to kMaxDirectRows rows (2x that for 8-bit codes in groups of 16 with int8), int8_gemm beyond (batched
-// decode steps and prompts) where it takes the weight
+// out = x w^T (+ bias) for M rows of x: the integer path with int8 (where int8_path(w); `a` holds
+// the rounded rows), else the float path
 void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
                   Activations& a);
 
-// whether product_rows takes M rows of x (else prompts go to BLAS on dequantized tiles)
-bool product_rows_takes(const Packed& w, int64_t M, bool int8);
+// the float path (kernels.cpp) and the integer path (gemm_int8.cpp, `a` prepared), any M
+void float_product(const Packed& w, const float* x, int64_t M, const float* bias, float* out);
+void int8_product(const Packed& w, const Activations& a, const float* bias, float* out);
 
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) on the integer path for many rows (a prompt):
-// register tiles of widened weight codes (gemm_int8.cpp); needs a.quantized and the sums.
-void int8_gemm(const Packed& w, const Activations& a, const float* bias, float* out);
+// row n of w dequantized into dst[K] as the float path sees it
+void dequant_row(const Packed& w, int64_t n, float* dst);
 
 // ---- the float32 ops of a decode step, on raw rows ----
 
@@ -211,13 +207,15 @@ void rope_rows(float* q, int64_t sq, int64_t Hq, float* k, int64_t sk, int64_t H
 // out[t, i] = act(x[t, i]) * x[t, I + i] over T rows of 2I: SiLU, or tanh-GELU with gelu
 void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu);
 
-// attention of B single query tokens (q rows of Hq*D floats, stride sq) over their paged K/V
-// (caches [blocks, bs, Hk, D] of float32 or float16, T = float or uint16_t); out rows of Hq*D
-// floats (stride so)
+// attention of B query tokens (q rows of Hq*D floats, stride sq), each over the first seq_lens[b]
+// positions of its sequence's paged K/V (caches [blocks, bs, Hk, D] of float32 or float16, T =
+// float or uint16_t; block table row seq_of[b], or b where seq_of is null): a decode step's
+// queries, or a prompt's one position at a time, by the same operations. out rows of Hq*D floats
+// (stride so)
 template <typename T>
 void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const T* k_cache, const T* v_cache,
-                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, int64_t B,
-                       int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
+                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, const int64_t* seq_of,
+                       int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
                        float softcap);
 
 }  // namespace tianxia
