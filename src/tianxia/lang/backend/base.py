@@ -30,12 +30,24 @@ class TokenUsage:
             self.prompt_tokens = self.completion_tokens = 0
 
 
+_USAGE_LOCK = threading.Lock()
+
+
 class BaseBackend:
     is_chat_model = False
     support_concate_and_append = False
 
     def __init__(self) -> None:
-        self.token_usage = TokenUsage()
+        self._token_usage = TokenUsage()
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        # Created on first use too: a subclass whose __init__ skips super() still counts tokens.
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            with _USAGE_LOCK:
+                usage = self.__dict__.setdefault("_token_usage", TokenUsage())
+        return usage
 
     def get_chat_template(self) -> ChatTemplate:
         return DEFAULT
