@@ -66,6 +66,32 @@ def build_off_main_thread(build: Callable[[], T]) -> T:
     return result[0]
 
 
+async def run_in_own_thread(build: Callable[[], T]) -> T:
+    """:func:`build_off_main_thread` for a running event loop: ``build()`` runs in a thread that
+    ends with it (for the same reason), and the loop keeps serving meanwhile."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if done.done():  # the waiter was cancelled
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def target() -> None:
+        try:
+            result = build()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the event loop
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="tianxia-load", daemon=True).start()
+    return await done
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (crashed, or the engine was shut down)."""
 

@@ -12,11 +12,13 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from tianxia import __version__
 from tianxia.engine.async_engine import AsyncLLMEngine
 from tianxia.server.errors import APIError, bad_request, install_handlers
 from tianxia.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from tianxia.server.model_registry import ModelRegistry
 from tianxia.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +44,9 @@ _ENDPOINTS = {
     "/v1/responses",
     "/v1/embeddings",
     "/v1/models",
+    "/models",
+    "/models/load",
+    "/models/unload",
     "/generate",
     "/tokenize",
     "/detokenize",
@@ -189,6 +194,12 @@ class _APIKeyAndStats:
                 ).inc()
 
 
+class ModelActionRequest(BaseModel):
+    """The body of ``POST /models/load`` and ``/models/unload``."""
+
+    model: str
+
+
 def _json_body(*models: type) -> dict[str, Any]:
     """The OpenAPI request body of a route that parses its JSON itself (one of ``models``)."""
     schemas = []
@@ -245,8 +256,10 @@ def build_servings(
     retry_after_s: int = 1,
     tool_call_parser: str | None = "auto",
     pooler: PoolerConfig | None = None,
+    state: ServerState | None = None,
 ) -> Servings:
-    state = ServerState(metrics=metrics, retry_after_s=retry_after_s)
+    """The handlers of one model; the models of one server share its ``state``."""
+    state = state or ServerState(metrics=metrics, retry_after_s=retry_after_s)
     models = ServingModels(engine.engine, served_model_names)
 
     def make(cls):
@@ -269,19 +282,21 @@ def build_servings(
     )
 
 
-def _probe_routes(servings: Servings, metrics: ServerMetrics) -> APIRouter:
+def _probe_routes(registry: ModelRegistry, state: ServerState, metrics: ServerMetrics) -> APIRouter:
     """Health, version and metrics: what supervisors and scrapers call."""
     router = APIRouter()
-    engine = servings.engine
 
     @router.get("/health")
     @router.get("/ping")  # vLLM's alias, for load balancers that probe /ping
     @router.post("/ping")
     async def health() -> Response:
-        if servings.state.draining:
+        if state.draining:
             return APIError(
                 503, "The server is shutting down.", code="server_shutting_down"
             ).response()
+        if registry.router:  # as llama.cpp's router: up while it takes requests, whatever is loaded
+            return Response(status_code=200)
+        engine = registry.default.servings.engine  # type: ignore[union-attr]
         if not engine.is_running:
             return APIError(
                 503, f"The engine is not running: {engine.errored!r}", code="engine_dead"
@@ -299,63 +314,109 @@ def _probe_routes(servings: Servings, metrics: ServerMetrics) -> APIRouter:
     return router
 
 
-def _openai_routes(servings: Servings) -> APIRouter:
-    """OpenAI's ``/v1`` routes."""
+def _openai_routes(registry: ModelRegistry) -> APIRouter:
+    """OpenAI's ``/v1`` routes; each request goes to the handlers of the model it names."""
     router = APIRouter()
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return servings.models.list_models()
+        return registry.list_models()
 
     @router.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        return servings.models.retrieve(model_id)
+        return registry.retrieve(model_id)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await servings.completion.create(body, raw)
+        async with registry.use(body.model) as s:
+            return await s.completion.create(body, raw)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await servings.chat.create(body, raw)
+        async with registry.use(body.model) as s:
+            return await s.chat.create(body, raw)
 
     @router.post("/v1/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
-        return await servings.responses.create_response(body, raw)
+        async with registry.use(body.model) as s:
+            return await s.responses.create_response(body, raw)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
-        return servings.responses.retrieve(response_id)
+        # each model keeps the responses it made; an unloaded model's are gone
+        loaded = [e.servings for e in registry.loaded() if e.servings is not None]
+        for s in loaded[:-1]:
+            if response_id in s.responses.stored:
+                return s.responses.retrieve(response_id)
+        if not loaded:
+            raise APIError(404, f"Response with id '{response_id}' not found.",
+                           param="response_id", code="not_found")
+        return loaded[-1].responses.retrieve(response_id)
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        return await servings.embedding.create(body)
+        async with registry.use(body.model) as s:
+            return await s.embedding.create(body)
 
     return router
 
 
-def _sglang_routes(servings: Servings) -> APIRouter:
-    """SGLang's native routes, for ``sgl.RuntimeEndpoint`` and SGLang's scripts."""
+def _router_routes(registry: ModelRegistry) -> APIRouter:
+    """llama.cpp's router routes: ``GET /models``, ``POST /models/load`` and ``/models/unload``
+    (``{"model": NAME}``, answered ``{"success": true}``)."""
     router = APIRouter()
-    native = servings.native
+
+    @router.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return registry.list_models()
+
+    async def model_name(raw: Request) -> str:
+        name = (await _json_object(raw)).get("model")
+        if not isinstance(name, str) or not name:
+            raise bad_request("`model` (a model name) is required", param="model")
+        return name
+
+    @router.post("/models/load", openapi_extra=_json_body(ModelActionRequest))
+    async def load(raw: Request) -> dict[str, Any]:
+        # unlike llama.cpp's (which answers at once), this answers once the model is loaded, so
+        # a failure to load or to find room comes back to the caller; /v1/models shows the rest
+        await registry.load(await model_name(raw))
+        return {"success": True}
+
+    @router.post("/models/unload", openapi_extra=_json_body(ModelActionRequest))
+    async def unload(raw: Request) -> dict[str, Any]:
+        await registry.unload(await model_name(raw))
+        return {"success": True}
+
+    return router
+
+
+def _sglang_routes(registry: ModelRegistry) -> APIRouter:
+    """SGLang's native routes, for ``sgl.RuntimeEndpoint`` and SGLang's scripts (a ``model``
+    field or query parameter picks the model where a server has several)."""
+    router = APIRouter()
 
     @router.post("/generate")
     async def generate(body: GenerateRequest, raw: Request) -> Response:
-        return await native.generate_native(body, raw)
+        async with registry.use(body.model) as s:
+            return await s.native.generate_native(body, raw)
 
     @router.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        return native.model_info()
+    async def get_model_info(model: str | None = None) -> dict[str, Any]:
+        async with registry.use(model) as s:
+            return s.native.model_info()
 
     @router.get("/get_server_info")
     @router.get("/server_info")
-    async def server_info() -> dict[str, Any]:
-        return native.server_info()
+    async def server_info(model: str | None = None) -> dict[str, Any]:
+        async with registry.use(model) as s:
+            return s.native.server_info()
 
     @router.get("/flush_cache")
     @router.post("/flush_cache")
-    async def flush_cache() -> Response:
-        return await native.flush_cache()
+    async def flush_cache(model: str | None = None) -> Response:
+        async with registry.use(model) as s:
+            return await s.native.flush_cache()
 
     @router.post("/concate_and_append_request")
     async def concate_and_append(body: ConcatenateRequest) -> dict[str, Any]:
@@ -367,26 +428,36 @@ def _sglang_routes(servings: Servings) -> APIRouter:
     return router
 
 
-def _tokenize_routes(servings: Servings) -> APIRouter:
+def _tokenize_routes(registry: ModelRegistry) -> APIRouter:
     """vLLM's ``/tokenize`` and ``/detokenize``."""
     router = APIRouter()
+
+    async def named(raw: Request) -> tuple[dict[str, Any], str | None]:
+        data = await _json_object(raw)
+        name = data.get("model")
+        return data, name if isinstance(name, str) else None
 
     @router.post(
         "/tokenize", openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest)
     )
     async def tokenize(raw: Request) -> JSONResponse:
-        return JSONResponse(servings.tokenization.tokenize(await _json_object(raw)))
+        data, name = await named(raw)
+        async with registry.use(name) as s:
+            return JSONResponse(s.tokenization.tokenize(data))
 
     @router.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> JSONResponse:
-        return JSONResponse(servings.tokenization.detokenize(await _json_object(raw)))
+        data, name = await named(raw)
+        async with registry.use(name) as s:
+            return JSONResponse(s.tokenization.detokenize(data))
 
     return router
 
 
 def build_app(
-    servings: Servings,
+    registry: ModelRegistry,
     *,
+    state: ServerState,
     metrics: ServerMetrics,
     api_key: str | None = None,
     root_path: str | None = None,
@@ -395,20 +466,20 @@ def build_app(
     cors: CORSConfig | None = None,
     webui: bool = True,
 ) -> FastAPI:
-    engine = servings.engine
+    """The server's app over ``registry`` (``ModelRegistry.single(servings)`` for one model)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        registry.start()
         try:
             yield
         finally:
-            await engine.shutdown()
+            await registry.shutdown()
 
     app = FastAPI(
         title="tianxia", version=__version__, lifespan=lifespan, root_path=root_path or ""
     )
-    app.state.servings = servings
+    app.state.registry = registry
     app.state.metrics = metrics
     install_handlers(app)
     page_paths: frozenset[str] = frozenset()
@@ -433,9 +504,11 @@ def build_app(
         allow_methods=cors.methods,
         allow_headers=cors.headers,
     )
-    app.include_router(_probe_routes(servings, metrics))
-    app.include_router(_openai_routes(servings))
-    app.include_router(_tokenize_routes(servings))
-    app.include_router(_sglang_routes(servings))
+    app.include_router(_probe_routes(registry, state, metrics))
+    app.include_router(_openai_routes(registry))
+    if registry.router:
+        app.include_router(_router_routes(registry))
+    app.include_router(_tokenize_routes(registry))
+    app.include_router(_sglang_routes(registry))
     app.state.started = time.time()
     return app

@@ -39,7 +39,49 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         metavar="MODEL",
         help=f"pulled model name, .gguf path or Hugging Face directory (default: {default_model})",
     )
-    p.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="[NAME=]MODEL",
+        help="the model, as a flag (same as MODEL); NAME=MODEL, or the flag given more than once, "
+        "serves several models, each under its NAME (default: its file or directory name)",
+    )
+    p.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every model in DIR: each .gguf file, and each directory with a config.json "
+        "or one .gguf file, named after it",
+    )
+    p.add_argument(
+        "--models-max",
+        type=int,
+        default=4,
+        help="with several models: most loaded at once; the least recently used idle one is "
+        "unloaded first (default: %(default)s)",
+    )
+    p.add_argument(
+        "--models-autoload",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with several models: load a model on its first request (default: on; otherwise "
+        "POST /models/load first)",
+    )
+    p.add_argument(
+        "--models-memory",
+        default=None,
+        metavar="SIZE",
+        help="with several models: what the loaded models may hold together (weights, KV caches "
+        "and overheads), e.g. 8GiB (default: the memory available at start)",
+    )
+    p.add_argument(
+        "--models-load-timeout",
+        type=float,
+        default=600.0,
+        help="with several models: seconds a request waits for its model to load "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
     )
@@ -348,18 +390,170 @@ def _graceful_server_class():
     return GracefulServer
 
 
+def _server_models(args: argparse.Namespace, default_model: str) -> list[tuple[str, str]] | None:
+    """``(name, model)`` of each model of a server with several (``--model NAME=MODEL``, the flag
+    given more than once, ``--models-dir``); None for a single-model server."""
+    from tianxia.server.model_specs import name_of, scan_models_dir, split_model_arg
+
+    given = ([args.model_tag] if args.model_tag else []) + list(args.model or [])
+    if len(given) == 2 and not args.models_dir and given[0] == given[1]:
+        given = given[:1]  # `serve M --model M`: one model, as before
+    split = [split_model_arg(v) for v in given]
+    if not args.models_dir and len(split) <= 1 and all(name is None for name, _ in split):
+        if args.model and args.model_tag and args.model_tag != args.model[0]:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model[0]!r}")
+        return None
+    models = [(name or name_of(spec), spec) for name, spec in split]
+    if args.models_dir:
+        models += scan_models_dir(args.models_dir)
+    seen: set[str] = set()
+    for name, _ in models:
+        if name in seen:
+            raise ValueError(f"two models are named {name!r}; name them with --model NAME=MODEL")
+        seen.add(name)
+    return models
+
+
+def _cache_info(engine) -> dict[str, str]:
+    return {
+        "block_size": str(engine.config.cache.block_size),
+        "num_gpu_blocks": str(engine.block_manager.num_blocks),
+        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
+    }
+
+
+def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseException], None]):
+    from tianxia.engine.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(
+        engine,
+        max_waiting_requests=args.max_waiting_requests,
+        log_stats_interval=None if args.disable_log_stats else 10.0,
+        request_timeout=args.request_timeout,
+        on_dead=on_dead,
+    )
+
+
+def _single_model(args: argparse.Namespace, model: str, state, on_dead):
+    """The one model of a plain server, loaded before the server starts."""
+    from tianxia.engine.async_engine import build_off_main_thread
+    from tianxia.engine.llm_engine import LLMEngine
+    from tianxia.server.api import build_servings
+    from tianxia.server.metrics import ServerMetrics
+    from tianxia.server.model_registry import ModelRegistry
+    from tianxia.server.serving_embeddings import PoolerConfig
+
+    pooler = PoolerConfig.parse(args.pooler_config)
+    config = engine_config(args, model)
+    engine = build_off_main_thread(lambda: LLMEngine(config))
+    names = args.served_model_name or [model]
+    async_engine = _async_engine(args, engine, on_dead)
+    metrics = ServerMetrics(
+        names[0],
+        engine.max_model_len,
+        async_engine.stats,
+        lambda: async_engine.max_step_seqs,
+        _cache_info(engine),
+    )
+    async_engine.listener = metrics
+    state.metrics = metrics
+    servings = build_servings(
+        async_engine,
+        names,
+        metrics=metrics,
+        tool_call_parser=args.tool_call_parser,
+        pooler=pooler,
+        state=state,
+    )
+    logger.info("serving %s as %s (max_model_len=%d)", model, ", ".join(names),
+                engine.max_model_len)
+    return ModelRegistry.single(servings), metrics
+
+
+def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], state):
+    """A registry of named models that load on demand, with their memory plan."""
+    from tianxia.engine.llm_engine import LLMEngine
+    from tianxia.server.api import build_servings
+    from tianxia.server.metrics import ServerMetrics
+    from tianxia.server.model_registry import MemoryPlan, ModelEntry, ModelRegistry
+    from tianxia.server.model_specs import available_memory, weights_on_disk
+    from tianxia.server.serving_embeddings import PoolerConfig
+
+    if args.served_model_name:
+        raise ValueError(
+            "--served-model-name names the model of a single-model server; with several, name "
+            "each one: --model NAME=MODEL"
+        )
+    if args.gpu_memory_utilization is not None:
+        raise ValueError(
+            "--gpu-memory-utilization sizes one model's KV cache from the whole device; with "
+            "several models give each its KV cache with --kv-cache-memory and all of them a "
+            "budget with --models-memory"
+        )
+    if args.models_max < 1:
+        raise ValueError("--models-max must be at least 1")
+    if not args.models_load_timeout > 0:
+        raise ValueError("--models-load-timeout must be > 0")
+    pooler = PoolerConfig.parse(args.pooler_config)
+    kv_bytes = parse_size(args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    budget = (
+        parse_size(args.models_memory) if args.models_memory else available_memory(args.device)
+    )
+    # the server's own series (HTTP requests, draining) carry this name; each model's, its own
+    metrics = ServerMetrics("tianxia", args.max_model_len or 32768)
+    state.metrics = metrics
+    registry: ModelRegistry
+
+    def build(entry: ModelEntry):  # on the load thread
+        engine = LLMEngine(engine_config(args, entry.spec))
+        loop = registry.loop
+        assert loop is not None
+        async_engine = _async_engine(
+            args,
+            engine,
+            lambda exc: loop.call_soon_threadsafe(registry.engine_died, entry, exc),
+        )
+        async_engine.listener = metrics.add_model(
+            entry.name, async_engine.stats, lambda: async_engine.max_step_seqs, _cache_info(engine)
+        )
+        return build_servings(
+            async_engine,
+            list(entry.names),
+            metrics=metrics,
+            tool_call_parser=args.tool_call_parser,
+            pooler=pooler,
+            state=state,
+        )
+
+    registry = ModelRegistry(
+        [ModelEntry(name, spec, kv_bytes=kv_bytes) for name, spec in models],
+        build,
+        max_loaded=args.models_max,
+        autoload=args.models_autoload,
+        plan=MemoryPlan(budget, weights_on_disk),
+        load_timeout=args.models_load_timeout,
+        on_unload=lambda entry: metrics.remove_model(entry.name),
+    )
+    logger.info(
+        "serving %d models: %s; at most %d loaded at once, within %.0f MiB (--models-memory), "
+        "KV cache %.0f MiB each; %s",
+        len(models),
+        ", ".join(f"{n} ({s})" for n, s in models),
+        args.models_max,
+        budget / 2**20,
+        kv_bytes / 2**20,
+        "each loads on its first request" if args.models_autoload else "POST /models/load loads",
+    )
+    return registry, metrics
+
+
 def run_server(args: argparse.Namespace, default_model: str) -> int:
     import uvicorn
 
-    from tianxia.engine.async_engine import AsyncLLMEngine, build_off_main_thread
-    from tianxia.engine.llm_engine import LLMEngine
-    from tianxia.server.api import build_app, build_servings
-    from tianxia.server.metrics import ServerMetrics
-    from tianxia.server.serving_embeddings import PoolerConfig
+    from tianxia.server.api import build_app
+    from tianxia.server.serving_base import ServerState
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    model = args.model_tag or args.model or default_model
+    models = _server_models(args, default_model)
     api_key = (
         args.api_key if args.api_key is not None else os.environ.get("TIANXIA_API_KEY") or None
     )
@@ -373,43 +567,18 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     if max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1KiB")
 
-    pooler = PoolerConfig.parse(args.pooler_config)
-
     import prometheus_client
 
     prometheus_client.disable_created_metrics()  # no `_created` series (as vLLM)
-    config = engine_config(args, model)
-    engine = build_off_main_thread(lambda: LLMEngine(config))
-    names = args.served_model_name or [model]
-    async_engine = AsyncLLMEngine(
-        engine,
-        max_waiting_requests=args.max_waiting_requests,
-        log_stats_interval=None if args.disable_log_stats else 10.0,
-        request_timeout=args.request_timeout,
-        on_dead=lambda exc: on_engine_dead(exc),
-    )
-    cache_info = {
-        "block_size": str(engine.config.cache.block_size),
-        "num_gpu_blocks": str(engine.block_manager.num_blocks),
-        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
-    }
-    metrics = ServerMetrics(
-        names[0],
-        engine.max_model_len,
-        async_engine.stats,
-        lambda: async_engine.max_step_seqs,
-        cache_info,
-    )
-    async_engine.listener = metrics
-    servings = build_servings(
-        async_engine,
-        names,
-        metrics=metrics,
-        tool_call_parser=args.tool_call_parser,
-        pooler=pooler,
-    )
+    state = ServerState()
+    if models is None:
+        model = args.model_tag or (args.model[0] if args.model else default_model)
+        registry, metrics = _single_model(args, model, state, lambda exc: on_engine_dead(exc))
+    else:
+        registry, metrics = _several_models(args, models, state)
     app = build_app(
-        servings,
+        registry,
+        state=state,
         metrics=metrics,
         api_key=api_key,
         root_path=args.root_path,
@@ -431,17 +600,20 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     )
     server = _graceful_server_class()(config)
 
+    def engines():
+        return [e.servings.engine for e in registry.loaded() if e.servings is not None]
+
     def on_signal() -> None:
-        servings.state.draining = True
+        state.draining = True
         metrics.draining.set(1)
-        loop = async_engine.loop
+        loop = registry.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(
                 lambda: drain_tasks.append(loop.create_task(drain_deadline()))
             )
         logger.info(
             "shutting down: no new requests; %d in flight get up to %ds to finish",
-            async_engine.num_unfinished,
+            sum(e.num_unfinished for e in engines()),
             args.shutdown_timeout,
         )
 
@@ -449,7 +621,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
 
     async def drain_deadline() -> None:
         await asyncio.sleep(args.shutdown_timeout)
-        n = async_engine.abort_all("the server is shutting down (--shutdown-timeout reached)")
+        reason = "the server is shutting down (--shutdown-timeout reached)"
+        n = sum(e.abort_all(reason) for e in engines())
         if n:
             logger.warning("shutdown timeout: aborted %d request(s) still running", n)
 
@@ -457,20 +630,15 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
 
     def on_engine_dead(exc: BaseException) -> None:
         # a dead engine cannot recover in-process: exit non-zero so that a supervisor restarts us
-        # (meanwhile /health answers 503 and requests in flight got an error)
+        # (meanwhile /health answers 503 and requests in flight got an error); with several
+        # models, the registry marks that one failed instead and the others keep serving
         engine_died.append(exc)
         logger.error("the engine loop died (%r); exiting with status 1", exc)
         server.should_exit = True
 
     server.on_signal = on_signal
     logger.info(
-        "serving %s as %s on http://%s:%d (max_model_len=%d)%s",
-        model,
-        ", ".join(names),
-        args.host,
-        args.port,
-        engine.max_model_len,
-        ", API key required" if api_key else "",
+        "listening on http://%s:%d%s", args.host, args.port, ", API key required" if api_key else ""
     )
     if args.webui:
         logger.info("web page: http://%s:%d/", args.host, args.port)

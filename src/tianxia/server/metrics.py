@@ -9,6 +9,7 @@ sequences each engine step ran, so one can see that concurrent requests share st
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -23,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from tianxia.engine.async_engine import RequestStats, StatsListener, StepStats
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "ModelMetrics", "ServerMetrics"]
 
 # vLLM's buckets
 _TTFT_BUCKETS = [
@@ -117,198 +118,81 @@ def _pow2_buckets(max_value: int) -> list[int]:
     return out
 
 
+@dataclass
+class _EngineSource:
+    stats: Callable[[], dict]
+    info: dict[str, str]
+    max_step_seqs: Callable[[], int]
+
+
 class _EngineCollector(Collector):
-    """Gauges and counters read from the engine's latest statistics at scrape time."""
+    """Gauges and counters read from each loaded model's latest engine statistics at scrape
+    time (one sample per model)."""
 
-    def __init__(
-        self,
-        model_name: str,
-        stats: Callable[[], dict],
-        info: dict[str, str],
-        max_step_seqs: Callable[[], int],
-    ) -> None:
-        self.model_name = model_name
-        self.stats = stats
-        self.info = info
-        self.max_step_seqs = max_step_seqs
+    def __init__(self, engines: dict[str, _EngineSource]) -> None:
+        self.engines = engines
 
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric([self.model_name], value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric([self.model_name], value)
-        return c
+    def _family(self, kind, name: str, doc: str, values: dict[str, float]):
+        f = kind(name, doc, labels=["model_name"])
+        for model, value in values.items():
+            f.add_metric([model], value)
+        return f
 
     def collect(self):
-        s = self.stats()
-        usage = float(s.get("kv_cache_usage", 0.0))
-        yield self._gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            s.get("num_running", 0),
+        engines = dict(self.engines)  # models may load or unload while we scrape
+        stats = {m: src.stats() for m, src in engines.items()}
+
+        def per_model(key: str) -> dict[str, float]:
+            return {m: float(s.get(key, 0)) for m, s in stats.items()}
+
+        usage = per_model("kv_cache_usage")
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "vllm:num_requests_running",
+                           "Number of requests in model execution batches.",
+                           per_model("num_running"))
+        yield self._family(gauge, "vllm:num_requests_waiting",
+                           "Number of requests waiting to be processed.", per_model("num_waiting"))
+        yield self._family(gauge, "vllm:kv_cache_usage_perc",
+                           "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield self._family(
+            gauge, "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (older name of kv_cache_usage_perc).", usage,
         )
-        yield self._gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            s.get("num_waiting", 0),
-        )
-        yield self._gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage
-        )
-        yield self._gauge(
-            "vllm:gpu_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage (older name of kv_cache_usage_perc).",
-            usage,
-        )
-        yield self._counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            s.get("prefix_cache_queries", 0),
-        )
-        yield self._counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            s.get("prefix_cache_hits", 0),
-        )
-        yield self._counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", s.get("prompt_tokens", 0)
-        )
-        yield self._counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            s.get("generation_tokens", 0),
-        )
-        yield self._counter(
-            "vllm:num_preemptions",
-            "Cumulative number of preemptions from the engine.",
-            s.get("num_preemptions", 0),
-        )
-        yield self._gauge(
-            "tianxia:step_num_seqs_max",
-            "Most sequences that ran together in one engine step since start.",
-            self.max_step_seqs(),
-        )
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the cache config.", labels=list(self.info)
-        )
-        info.add_metric(list(self.info.values()), 1.0)
-        yield info
+        yield self._family(counter, "vllm:prefix_cache_queries",
+                           "Prefix cache queries, in terms of number of queried tokens.",
+                           per_model("prefix_cache_queries"))
+        yield self._family(counter, "vllm:prefix_cache_hits",
+                           "Prefix cache hits, in terms of number of cached tokens.",
+                           per_model("prefix_cache_hits"))
+        yield self._family(counter, "vllm:prompt_tokens", "Number of prefill tokens processed.",
+                           per_model("prompt_tokens"))
+        yield self._family(counter, "vllm:generation_tokens",
+                           "Number of generation tokens processed.", per_model("generation_tokens"))
+        yield self._family(counter, "vllm:num_preemptions",
+                           "Cumulative number of preemptions from the engine.",
+                           per_model("num_preemptions"))
+        yield self._family(gauge, "tianxia:step_num_seqs_max",
+                           "Most sequences that ran together in one engine step since start.",
+                           {m: src.max_step_seqs() for m, src in engines.items()})
+        infos = [src.info for src in engines.values() if src.info]
+        if infos:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the cache config.", labels=list(infos[0])
+            )
+            for values in infos:
+                info.add_metric(list(values.values()), 1.0)
+            yield info
 
 
-class ServerMetrics(StatsListener):
-    """The ``/metrics`` registry of one server; also the engine's stats listener."""
+class ModelMetrics(StatsListener):
+    """One model's histograms and counters (the server's series, labelled with its name); the
+    stats listener of its engine."""
 
-    def __init__(
-        self,
-        model_name: str,
-        max_model_len: int,
-        stats: Callable[[], dict],
-        max_step_seqs: Callable[[], int],
-        cache_info: dict[str, str] | None = None,
-    ) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, server: ServerMetrics, model_name: str) -> None:
         self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
-        self.registry.register(_EngineCollector(model_name, stats, cache_info or {}, max_step_seqs))
-
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
-
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            _TTFT_BUCKETS,
-        )
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            _ITL_BUCKETS,
-        )
-        self.tpot = hist(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (older name of inter-token latency).",
-            _ITL_BUCKETS,
-        )
-        self.e2e = hist(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
-            _LATENCY_BUCKETS,
-        )
-        self.queue_time = hist(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            _LATENCY_BUCKETS,
-        )
-        self.inference_time = hist(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            _LATENCY_BUCKETS,
-        )
-        self.prefill_time = hist(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            _LATENCY_BUCKETS,
-        )
-        self.decode_time = hist(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            _LATENCY_BUCKETS,
-        )
-        token_buckets = _token_buckets(max_model_len)
-        self.req_prompt_tokens = hist(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.req_gen_tokens = hist(
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            token_buckets,
-        )
-        self.req_max_tokens = hist(
-            "vllm:request_params_max_tokens",
-            "Histogram of the max_tokens request parameter.",
-            token_buckets,
-        )
-        self.req_n = hist(
-            "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]
-        )
-        self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            _pow2_buckets(max(max_model_len, 16384)),
-        )
-        self.step_seqs = hist(
-            "tianxia:step_num_seqs",
-            "Histogram of the number of sequences that ran together in one engine step.",
-            _SEQS_BUCKETS,
-        )
-        self.success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=reg,
-        )
-        self.http_requests = Counter(
-            "tianxia:http_requests",
-            "HTTP requests answered, by status code.",
-            labels + ["endpoint", "status"],
-            registry=reg,
-        )
-        self.rejected = Counter(
-            "tianxia:requests_rejected",
-            "Requests turned away with 503 because the waiting queue was full.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
-        self.draining = Gauge(
-            "tianxia:server_draining",
-            "1 while the server shuts down gracefully.",
-            labels,
-            registry=reg,
-        ).labels(model_name)
+        for attr, family in server.families.items():
+            setattr(self, attr, family.labels(model_name))
+        self.success = server.success
 
     # --- StatsListener (engine thread) -------------------------------------------------------
 
@@ -342,6 +226,116 @@ class ServerMetrics(StatsListener):
         if st.max_tokens is not None:
             self.req_max_tokens.observe(st.max_tokens)
         self.req_n.observe(st.n)
+
+
+class ServerMetrics(ModelMetrics):
+    """The ``/metrics`` registry of one server. Built with ``stats``, it is the listener of the
+    server's one model (``model_name``); a server with several models calls :meth:`add_model`
+    for each one it loads (``model_name`` then labels the server's own series)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        stats: Callable[[], dict] | None = None,
+        max_step_seqs: Callable[[], int] | None = None,
+        cache_info: dict[str, str] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        reg = self.registry
+        self.engines: dict[str, _EngineSource] = {}
+        self.registry.register(_EngineCollector(self.engines))
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        token_buckets = _token_buckets(max_model_len)
+        self.families: dict[str, Histogram] = {
+            "ttft": hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", _TTFT_BUCKETS),
+            "itl": hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS),
+            "tpot": hist(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (older name of inter-token "
+                "latency).",
+                _ITL_BUCKETS,
+            ),
+            "e2e": hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of end to end request latency in seconds.", _LATENCY_BUCKETS),
+            "queue_time": hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.",
+                               _LATENCY_BUCKETS),
+            "inference_time": hist("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.",
+                                   _LATENCY_BUCKETS),
+            "prefill_time": hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.",
+                                 _LATENCY_BUCKETS),
+            "decode_time": hist("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.",
+                                _LATENCY_BUCKETS),
+            "req_prompt_tokens": hist("vllm:request_prompt_tokens",
+                                      "Number of prefill tokens processed.", token_buckets),
+            "req_gen_tokens": hist("vllm:request_generation_tokens",
+                                   "Number of generation tokens processed.", token_buckets),
+            "req_max_tokens": hist("vllm:request_params_max_tokens",
+                                   "Histogram of the max_tokens request parameter.", token_buckets),
+            "req_n": hist("vllm:request_params_n", "Histogram of the n request parameter.",
+                          [1, 2, 5, 10, 20]),
+            "iteration_tokens": hist("vllm:iteration_tokens_total",
+                                     "Histogram of number of tokens per engine_step.",
+                                     _pow2_buckets(max(max_model_len, 16384))),
+            "step_seqs": hist(
+                "tianxia:step_num_seqs",
+                "Histogram of the number of sequences that ran together in one engine step.",
+                _SEQS_BUCKETS,
+            ),
+        }
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.model_name = model_name
+        if stats is not None:  # the one model's listener is this object
+            super().__init__(self, model_name)
+            self.add_model(model_name, stats, max_step_seqs or (lambda: 0), cache_info)
+        self.http_requests = Counter(
+            "tianxia:http_requests",
+            "HTTP requests answered, by status code.",
+            labels + ["endpoint", "status"],
+            registry=reg,
+        )
+        self.rejected = Counter(
+            "tianxia:requests_rejected",
+            "Requests turned away with 503 because the waiting queue was full.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.draining = Gauge(
+            "tianxia:server_draining",
+            "1 while the server shuts down gracefully.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+
+    def add_model(
+        self,
+        model_name: str,
+        stats: Callable[[], dict],
+        max_step_seqs: Callable[[], int],
+        cache_info: dict[str, str] | None = None,
+    ) -> ModelMetrics:
+        """Report a loaded model's engine; returns its stats listener."""
+        self.engines[model_name] = _EngineSource(stats, cache_info or {}, max_step_seqs)
+        return self if model_name == self.model_name else ModelMetrics(self, model_name)
+
+    def remove_model(self, model_name: str) -> None:
+        """An unloaded model's gauges go; its counters and histograms stay (they are totals)."""
+        self.engines.pop(model_name, None)
 
     # --- scrape ------------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class GenerateRequest(_Base):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | None = None
+    model: str | None = None  # picks the model on a server with several (not SGLang's)
 
 
 class ConcatenateRequest(_Base):
