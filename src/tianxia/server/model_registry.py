@@ -75,9 +75,11 @@ class ModelEntry:
 
     @property
     def busy(self) -> int:
-        """Requests to it that are running (leases, plus streams still being sent)."""
+        """Requests to it that are running: a request holds a lease while its handler runs and
+        is in its engine from when it is added until its output is sent (a stream's after the
+        handler returned), so each request is counted by one or both."""
         running = self.servings.engine.num_unfinished if self.servings is not None else 0
-        return self.leases + running
+        return max(self.leases, running)
 
 
 @dataclass
