@@ -17,6 +17,7 @@ import pytest
 
 from tianxia.server.testing import ServerProcess, metric
 
+CRASH = "@@crash-the-engine@@"
 SMALL = ["--kv-cache-memory", "32MiB", "--max-model-len", "256", "--max-num-seqs", "8"]
 
 
@@ -63,7 +64,8 @@ def server(smollm2_path, qwen_path, broken_gguf):
             "--model", str(broken_gguf),
             "--models-max", "2",
             *SMALL,
-        ]
+        ],
+        env={"TIANXIA_FAULT_INJECT": f"engine_loop:{CRASH}"},
     )
     srv.start()
     yield srv
@@ -178,6 +180,23 @@ def test_a_model_is_not_unloaded_while_it_serves(client, http):
         assert "serving 1 request" in error_of(r, 409, "model_busy")
         assert long.result().usage.completion_tokens == 100
     assert statuses(http)["coder"] == {"value": "loaded"}
+
+
+def test_a_dead_engine_fails_its_model_alone(client, http):
+    """An engine loop that dies marks its model failed (a single-model server would exit); the
+    other model keeps serving, and the failed one loads again when asked."""
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="smol", prompt=f"Hello {CRASH}", max_tokens=4)
+    assert e.value.status_code >= 500
+    status = statuses(http)["smol"]
+    assert status["value"] == "failed" and "InjectedFault" in status["reason"], status
+    assert "its engine stopped" in error_of(
+        http.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2}),
+        503, "model_load_failed",
+    )
+    assert ask(client, "coder") and http.get("/health").status_code == 200
+    assert http.post("/models/load", json={"model": "smol"}).json() == {"success": True}
+    assert ask(client, "smol")
 
 
 @pytest.fixture(scope="module")

@@ -344,14 +344,11 @@ def _openai_routes(registry: ModelRegistry) -> APIRouter:
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
         # each model keeps the responses it made; an unloaded model's are gone
-        loaded = [e.servings for e in registry.loaded() if e.servings is not None]
-        for s in loaded[:-1]:
-            if response_id in s.responses.stored:
-                return s.responses.retrieve(response_id)
-        if not loaded:
-            raise APIError(404, f"Response with id '{response_id}' not found.",
-                           param="response_id", code="not_found")
-        return loaded[-1].responses.retrieve(response_id)
+        for entry in registry.loaded():
+            if entry.servings is not None and response_id in entry.servings.responses.stored:
+                return entry.servings.responses.retrieve(response_id)
+        raise APIError(404, f"Response with id '{response_id}' not found.",
+                       param="response_id", code="not_found")
 
     @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
