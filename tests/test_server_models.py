@@ -121,6 +121,8 @@ def test_corrupt_model_is_failed_and_the_others_serve(client, http):
     status = statuses(http)["broken"]
     assert status["value"] == "failed" and status["failed"] is True
     assert "not a valid GGUF file" in status["reason"]
+    # found out before any loaded model was unloaded to make room for it (--models-max 2)
+    assert statuses(http)["smol"] == statuses(http)["coder"] == {"value": "loaded"}
     # a failed model stays failed (no reload on every request) until asked to load again
     again = http.post("/v1/completions", json={"model": "broken", "prompt": "x", "max_tokens": 1})
     assert "not a valid GGUF file" in error_of(again, 503, "model_load_failed")
@@ -227,16 +229,32 @@ def test_models_max_1_unloads_the_least_recently_used(lru_server):
 def test_models_dir_without_autoload_and_a_memory_plan(tmp_path, smollm2_path, qwen_path):
     """``--models-dir``: every .gguf file and model directory, named after it; with
     ``--no-models-autoload`` a request to an unloaded model is refused until it is loaded; a
-    model that cannot fit the memory plan is refused with the numbers and stays unloaded."""
+    model that cannot fit the memory plan is refused with the numbers and stays unloaded; a
+    model of an architecture tianxia does not know is failed with the reason."""
+    import gguf
+    import numpy as np
+
     models = tmp_path / "models"
     (models / "coder").mkdir(parents=True)
     (models / "coder" / qwen_path.name).symlink_to(qwen_path)
     (models / "SmolLM2.gguf").symlink_to(smollm2_path)
     (models / "notes.txt").write_text("not a model")
+    alien = gguf.GGUFWriter(str(models / "alien.gguf"), "alien")  # a well-formed file
+    alien.add_block_count(1)
+    alien.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    alien.write_header_to_file()
+    alien.write_kv_data_to_file()
+    alien.write_tensors_to_file()
+    alien.close()
     # room for SmolLM2 (93 MiB of weights + 32 MiB of KV cache + 128 MiB) but not Qwen (468 MiB)
     args = ["--models-dir", str(models), "--no-models-autoload", "--models-memory", "400MiB"]
     with ServerProcess(args + SMALL) as srv, httpx.Client(base_url=srv.url, timeout=600) as http:
-        assert statuses(http) == {"SmolLM2": {"value": "unloaded"}, "coder": {"value": "unloaded"}}
+        assert statuses(http) == {
+            n: {"value": "unloaded"} for n in ("SmolLM2", "alien", "coder")
+        }
+        msg = error_of(http.post("/models/load", json={"model": "alien"}), 503, "model_load_failed")
+        assert "architecture 'alien' is not supported" in msg
+        assert statuses(http)["alien"]["value"] == "failed"
         r = http.post("/v1/completions", json={"model": "SmolLM2", "prompt": "Hi", "max_tokens": 2})
         assert "/models/load" in error_of(r, 503, "model_not_loaded")
         msg = error_of(http.post("/models/load", json={"model": "coder"}), 503,

@@ -473,6 +473,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
 def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], state):
     """A registry of named models that load on demand, with their memory plan."""
     from tianxia.engine.llm_engine import LLMEngine
+    from tianxia.loader import load_model_config
     from tianxia.server.api import build_servings
     from tianxia.server.metrics import ServerMetrics
     from tianxia.server.model_registry import MemoryPlan, ModelEntry, ModelRegistry
@@ -533,6 +534,7 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
         plan=MemoryPlan(budget, weights_on_disk),
         load_timeout=args.models_load_timeout,
         on_unload=lambda entry: metrics.remove_model(entry.name),
+        check=lambda entry: load_model_config(entry.spec),
     )
     logger.info(
         "serving %d models: %s; at most %d loaded at once, within %.0f MiB (--models-memory), "

@@ -119,6 +119,7 @@ class ModelRegistry:
         plan: MemoryPlan | None = None,
         load_timeout: float = 600.0,
         on_unload: Callable[[ModelEntry], None] | None = None,
+        check: Callable[[ModelEntry], object] | None = None,
     ) -> None:
         if not entries:
             raise ValueError("no models to serve")
@@ -136,6 +137,7 @@ class ModelRegistry:
         self.plan = plan or MemoryPlan(None, lambda spec: 0)
         self.load_timeout = load_timeout
         self.on_unload = on_unload
+        self.check = check  # a cheap look at the model (its header) before room is made for it
         self._load_lock = asyncio.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -260,21 +262,11 @@ class ModelRegistry:
                 if entry.state == "loaded":
                     return
                 entry.state, entry.reason = "loading", None
-                await self._make_room(entry)
                 started = time.monotonic()
-                try:
-                    servings = await run_in_own_thread(lambda: self.build(entry))
-                except Exception as e:  # noqa: BLE001 - any load failure marks the model failed
-                    entry.state, entry.reason = "failed", _first_line(e)
-                    entry.weight_bytes = None
-                    logger.error("model %s (%s) failed to load: %s", entry.name, entry.spec,
-                                 entry.reason)
-                    raise APIError(
-                        503,
-                        f"The model `{entry.name}` failed to load: {entry.reason}",
-                        param="model",
-                        code="model_load_failed",
-                    ) from None
+                if self.check is not None:  # a bad file fails here, before others unload for it
+                    await self._attempt(entry, lambda: self.check(entry))  # type: ignore[misc]
+                await self._make_room(entry)
+                servings = await self._attempt(entry, lambda: self.build(entry))  # type: ignore[misc]
                 servings.engine.start()
                 entry.servings, entry.state = servings, "loaded"
                 entry.weight_bytes = weight_bytes(servings)
@@ -288,6 +280,21 @@ class ModelRegistry:
             entry.loading = None
             if entry.state == "loading":  # refused for room: it stays as it was
                 entry.state = "unloaded"
+
+    async def _attempt(self, entry: ModelEntry, step: Callable[[], Any]) -> Any:
+        """``step()`` of a load, in a thread of its own; if it raises, the model is failed."""
+        try:
+            return await run_in_own_thread(step)
+        except Exception as e:  # noqa: BLE001 - any load failure marks the model failed
+            entry.state, entry.reason = "failed", _first_line(e)
+            entry.weight_bytes = None
+            logger.error("model %s (%s) failed to load: %s", entry.name, entry.spec, entry.reason)
+            raise APIError(
+                503,
+                f"The model `{entry.name}` failed to load: {entry.reason}",
+                param="model",
+                code="model_load_failed",
+            ) from None
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """Unload idle models, least recently used first, until ``entry`` fits under
