@@ -320,6 +320,40 @@ def test_model_status_from_a_several_models_server_is_shown(page, server):
                       [f"{ALIAS} (failed)", "failed", "unknown architecture"]]
 
 
+def test_the_picker_of_a_real_server_with_several_models(browser, smollm2_path, tmp_path):
+    """A server with several models: the picker lists each with its status; a chat with an
+    unloaded model loads it and replies; a corrupt one shows `failed` with the reason."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(smollm2_path.read_bytes()[:200_000])
+    args = ["--model", f"smol={smollm2_path}", "--model", str(broken),
+            "--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
+    with ServerProcess(args) as srv:
+        page = new_page(browser, srv, key=False)
+
+        def options() -> list:
+            return page.eval_on_selector_all(
+                "#model option", "os => os.map(o => [o.textContent, o.dataset.status, o.title])")
+
+        assert options() == [["smol (unloaded)", "unloaded", ""],
+                             ["broken (unloaded)", "unloaded", ""]]
+        body, stream = send(page, "Hello!")  # waits for smol to load, then streams
+        wait_replies(page, 1)
+        assert body["model"] == "smol" and sse_text(stream)
+        page.select_option("#model", "broken")
+        body, _ = send(page, "Hello?")
+        assert body["model"] == "broken"
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('failed to load')")
+        page.focus("#model")  # the picker asks /v1/models again
+        page.wait_for_function("() => document.querySelector('#model option[data-status=failed]')")
+        (smol, broken_option) = options()
+        assert smol == ["smol (loaded)", "loaded", ""]
+        assert broken_option[:2] == ["broken (failed)", "failed"]
+        assert "not a valid GGUF file" in broken_option[2]
+        assert page.errors == [], page.errors
+        page.context.close()
+
+
 def test_regenerate_edit_rename_export_delete_import(page, tmp_path):
     send(page, "Name a color.")
     wait_replies(page, 1)
