@@ -400,8 +400,6 @@ def _server_models(args: argparse.Namespace, default_model: str) -> list[tuple[s
         given = given[:1]  # `serve M --model M`: one model, as before
     split = [split_model_arg(v) for v in given]
     if not args.models_dir and len(split) <= 1 and all(name is None for name, _ in split):
-        if args.model and args.model_tag and args.model_tag != args.model[0]:
-            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model[0]!r}")
         return None
     models = [(name or name_of(spec), spec) for name, spec in split]
     if args.models_dir:
