@@ -256,17 +256,18 @@ class ModelRegistry:
         return entry
 
     async def _load(self, entry: ModelEntry) -> None:
-        assert self.build is not None
         try:
             async with self._load_lock:
                 if entry.state == "loaded":
                     return
                 entry.state, entry.reason = "loading", None
                 started = time.monotonic()
-                if self.check is not None:  # a bad file fails here, before others unload for it
-                    await self._attempt(entry, lambda: self.check(entry))  # type: ignore[misc]
+                check, build = self.check, self.build
+                assert build is not None  # a single-model registry never loads
+                if check is not None:  # a bad file fails here, before others unload for it
+                    await self._attempt(entry, lambda: check(entry))
                 await self._make_room(entry)
-                servings = await self._attempt(entry, lambda: self.build(entry))  # type: ignore[misc]
+                servings = await self._attempt(entry, lambda: build(entry))
                 servings.engine.start()
                 entry.servings, entry.state = servings, "loaded"
                 entry.weight_bytes = weight_bytes(servings)
