@@ -261,3 +261,44 @@ def add_quantization_args(parser) -> None:
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
     )
+
+
+# llama.cpp's default --draft-max
+DEFAULT_DRAFT_MAX = 16
+
+
+def add_speculative_args(parser) -> None:
+    """vLLM's ``--speculative-config`` and llama.cpp's ``-md/--draft-max/--draft-min``."""
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"model": DRAFT, '
+             '"num_speculative_tokens": 5}\', plus "disable_by_batch_size"',
+    )
+    parser.add_argument("-md", "--model-draft", default=None,
+                        help="draft model for speculative decoding (same tokenizer as the model)")
+    parser.add_argument("--draft-max", "--draft", type=int, default=None,
+                        help=f"most draft tokens per step (default: {DEFAULT_DRAFT_MAX} with -md)")
+    parser.add_argument("--draft-min", type=int, default=None,
+                        help="fewest draft tokens worth verifying; shorter proposals are dropped (default: 0)")
+
+
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The speculative config of a command line (None: speculation off)."""
+    from dataclasses import replace
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.model_draft is not None:
+        if spec is not None:
+            raise ValueError("give either --speculative-config or -md/--model-draft, not both")
+        spec = SpeculativeConfig.from_dict({
+            "model": args.model_draft,
+            "num_speculative_tokens": args.draft_max if args.draft_max is not None else DEFAULT_DRAFT_MAX,
+            "draft_min": args.draft_min or 0,
+        })
+    elif spec is not None and (args.draft_max is not None or args.draft_min is not None):
+        spec = replace(spec, num_speculative_tokens=args.draft_max or spec.num_speculative_tokens,
+                       draft_min=spec.draft_min if args.draft_min is None else args.draft_min)
+    elif args.draft_max is not None or args.draft_min is not None:
+        raise ValueError("--draft-max/--draft-min need -md/--model-draft or --speculative-config")
+    return spec

@@ -417,6 +417,8 @@ class LLMEngine:
             touched[seq.request_id] = None
         if not out.scheduled:
             return [self._output(rid) for rid in touched if rid in self.requests]
+        if self.speculator is not None:
+            self.speculator.fill(out.scheduled)
         forks = self._fork(out.scheduled)
         result = self.runner.execute(out.scheduled, out.copies, forks)
         now = time.monotonic()

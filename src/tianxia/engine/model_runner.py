@@ -212,9 +212,8 @@ class ModelRunner:
             seq = seqs[i]
             if i in starts:
                 drafts = seq.spec_token_ids
-                groups.append(Group(i, drafts, seq.draft_probs))
-                views.append(seq)
-                views.extend(DraftedView(seq, drafts[:j]) for j in range(1, len(drafts) + 1))
+                groups.append(Group(i, drafts, seq.draft_probs, seq.grammar))
+                views.extend(DraftedView(seq, drafts[:j]) for j in range(len(drafts) + 1))
                 i += len(drafts) + 1
             else:
                 groups.append(Group(i, [], None))
@@ -351,6 +350,23 @@ class ModelRunner:
                 (ti[:k], tv[:k], c, r)
                 for ti, tv, c, r in zip(top_ids.tolist(), top_vals.tolist(), chosen.tolist(), ranks.tolist())
             ]
+
+    @torch.inference_mode()
+    def last_logits(self, scheduled: list) -> tuple[list, torch.Tensor]:
+        """Logits at the last new token of each scheduled item, with the items in the order of
+        the rows (a draft model's steps; items need what :meth:`_prepare` reads of a sequence)."""
+        order, ids, pos, meta = self._prepare(scheduled)
+        logits = self._decode_logits(order, ids, pos, meta)
+        if logits is not None:
+            return order, logits
+        rows = [meta.query_start_loc[i + 1] - 1 for i in range(len(order))]
+        keep = self._rows_to_keep(order, rows, ids.shape[0])
+        if keep is not None:
+            hidden = self.model(ids, pos, self.kv_caches, meta, torch.tensor(keep, device=self.device))
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)[torch.tensor(rows, device=self.device)]
+        self.route_counts["eager"] += 1
+        return order, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def prompt_hidden_states(self, seq: Sequence, chunk: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ the final tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class DraftedView:
 
     @property
     def grammar(self):
-        return None  # constrained sequences do not speculate
+        return None  # the rows of a constrained sequence are masked by ``_mask_drafted``
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Group:
     start: int
     drafts: list[int]
     draft_probs: torch.Tensor | None  # [k, vocab] q of each draft, None when proposals are one-hot
+    matcher: Any = None  # the grammar matcher of a constrained sequence with drafts
 
 
 @dataclass
@@ -78,13 +80,39 @@ class Verified:
     dead: list[bool]  # per group: its constraints admit no token at its last row
 
 
+def _mask_drafted(backend, logits: torch.Tensor, groups: list[Group]) -> None:
+    """Grammar masks of constrained sequences' rows: row j as the matcher stands after drafts
+    d_1..d_j (a draft the grammar refuses ends that sequence's masking: it cannot be accepted,
+    being masked itself); the matchers are rolled back afterwards."""
+    advanced = [0] * len(groups)
+    active = list(range(len(groups)))
+    depth = 0
+    while active:
+        backend.apply(logits, [groups[i].start + depth for i in active], [groups[i].matcher for i in active])
+        still = []
+        for i in active:
+            g = groups[i]
+            if depth < len(g.drafts) and g.matcher.accept_token(g.drafts[depth]):
+                advanced[i] += 1
+                still.append(i)
+        active = still
+        depth += 1
+    for g, n in zip(groups, advanced):
+        if n:
+            g.matcher.rollback(n)
+
+
 def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, groups: list[Group]) -> Verified:
     logits = logits.float()
     raw = logits.log_softmax(dim=-1) if any(k is not None for k in batch.num_logprobs) else None
     logits = sampler.process(logits, batch)
+    constrained_drafts = [g for g in groups if g.matcher is not None]
+    if constrained_drafts:
+        _mask_drafted(sampler.grammar_backend, logits, constrained_drafts)
     num_rows, device = logits.shape[0], logits.device
     dead = None
-    if any(batch.banned) or any(a is not None for a in batch.allowed) or any(g is not None for g in batch.grammars):
+    if (constrained_drafts or any(batch.banned) or any(a is not None for a in batch.allowed)
+            or any(g is not None for g in batch.grammars)):
         dead = torch.isneginf(logits).all(dim=-1)
         if bool(dead.any()):
             logits[dead] = 0.0

@@ -38,8 +38,10 @@ class Speculator:
             return
         todo: list[tuple[Sequence, int]] = []
         for seq in running:
-            if seq.num_computed_tokens != len(seq) - 1 or seq.grammar is not None:
-                continue  # a prompt chunk; constrained sequences decode one token at a time
+            if seq.num_computed_tokens != len(seq) - 1 or not seq.num_output_tokens:
+                # a prompt chunk, or a prompt's last token (a prefix hit can leave just that):
+                # its step forks the n > 1 siblings and may owe prompt logprobs
+                continue
             if seq.spec_backoff:
                 seq.spec_backoff -= 1
                 continue
@@ -51,16 +53,26 @@ class Speculator:
                 todo.append((seq, k))
         if not todo:
             return
-        if self.ngram is not None:
+        if self.ngram is None:
+            # the draft model runs once the scheduler has reserved the slots: placeholders here
             for seq, k in todo:
-                seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
-        else:
-            self.draft.propose(todo)
+                seq.spec_token_ids = [0] * k
+            return
+        for seq, k in todo:
+            seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
         if cfg.draft_min:
             for seq, _ in todo:
                 if len(seq.spec_token_ids) < cfg.draft_min:
                     seq.spec_token_ids = []
                     seq.draft_probs = None
+
+    def fill(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The draft model's proposals for the scheduled sequences that hold placeholders."""
+        if self.draft is None:
+            return
+        seqs = [seq for seq, _ in scheduled if seq.spec_token_ids]
+        if seqs:
+            self.draft.propose(seqs)
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """Count one verification; a sequence whose proposals keep failing stops for a while."""

@@ -1,0 +1,198 @@
+"""Speculative decoding (n-gram prompt lookup and a draft model): greedy output is the
+non-speculative output token for token (and logprob for logprob) through mixed batches,
+preemption, chunked prefill and prefix-cache hits; sampled output follows the target's exact
+distribution (a chi-square test against the softmax of the target's own logits); constrained
+requests keep their grammar; bad configurations are clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tianxia import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+         "disable_by_batch_size": None}
+
+CODE = ("def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
+        "Rewrite both functions with type hints:\n")
+PROMPTS = [
+    CODE,
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "The cat sat on the mat. The dog sat on the log. The cat",
+    "Hi",
+    CODE + "def area(",  # shares CODE's blocks: a prefix-cache hit
+    "Once upon a time there was a king. Once upon a time there was a queen. Once upon a",
+]
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy requests with every feature that changes a row's distribution by its history."""
+    return [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop=[" 14,"]),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.2,
+                       presence_penalty=0.1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=20, bad_words=["return"], ignore_eos=True, n=2),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={11: 2.0}),
+    ]
+
+
+def answers(llm: LLM, prompts, params) -> list:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def spec_counts(llm: LLM) -> tuple[int, int]:
+    s = llm.engine.stats()
+    return s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
+
+
+def tight(model, spec, **kw) -> LLM:
+    """Chunks of at most 24 tokens and a cache too small for every request at once."""
+    return LLM(str(model), max_num_batched_tokens=24, num_kv_blocks=14, max_model_len=192,
+               speculative_config=spec, **kw)
+
+
+def check_greedy_identical(llm: LLM, reference: list) -> None:
+    for rounds in range(2):  # the second round finds the first's blocks in the prefix cache
+        assert answers(llm, PROMPTS, mixed_params()) == reference
+    drafted, accepted = spec_counts(llm)
+    assert accepted > 0 and drafted > accepted  # proposals were both taken and refused
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference_answers(smollm2_llm):
+    return answers(smollm2_llm, PROMPTS, mixed_params())
+
+
+def test_ngram_greedy_output_is_the_plain_output(smollm2_path, smollm2_reference_answers):
+    llm = tight(smollm2_path, NGRAM, cpu_activations="float32")
+    check_greedy_identical(llm, smollm2_reference_answers)
+    s = llm.engine.stats()
+    assert s["spec_decode_num_drafts"] > 0
+    assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+
+
+def test_draft_model_greedy_output_is_the_plain_output(smollm2_path, tiny_models, smollm2_reference_answers):
+    # a tiny random draft of the same vocabulary: mostly refused, never wrong
+    llm = tight(smollm2_path, {"model": str(tiny_models["llama"]), "num_speculative_tokens": 3,
+                               "disable_by_batch_size": None, "min_acceptance_rate": 0.0},
+                cpu_activations="float32")
+    for _ in range(2):
+        assert answers(llm, PROMPTS, mixed_params()) == smollm2_reference_answers
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits > 0
+    assert spec_counts(llm)[0] > 0
+
+
+def test_model_as_its_own_draft_accepts_everything(smollm2_path, smollm2_reference_answers):
+    llm = LLM(str(smollm2_path), num_kv_blocks=96, max_model_len=256, cpu_activations="float32",
+              speculative_config={"model": str(smollm2_path), "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": None})
+    assert answers(llm, PROMPTS, mixed_params()) == smollm2_reference_answers
+    drafted, accepted = spec_counts(llm)
+    # the draft's greedy tokens are the target's, except where a ban or penalty of the target's
+    # sampling parameters (which the draft does not apply) changes them
+    assert accepted > 0.8 * drafted
+
+
+def _chi_square_p(observed: list[int], expected: list[float]) -> float:
+    obs = torch.tensor(observed, dtype=torch.float64)
+    exp = torch.tensor(expected, dtype=torch.float64)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_outputs_follow_the_target_distribution(tiny_models, method):
+    """Three allowed tokens, temperature 1, three output tokens: the first comes from the prompt's
+    row, the next two from a speculative step (one proposal, then the bonus or corrected token).
+    The 27 outcomes' counts are compared with the exact joint softmax of the target's logits."""
+    spec = dict(NGRAM, num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    if method == "draft_model":
+        spec = {"model": str(tiny_models["qwen2"]), "num_speculative_tokens": 2, "disable_by_batch_size": None,
+                "min_acceptance_rate": 0.0}
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=4096, max_model_len=64, max_num_seqs=256, seed=1,
+              speculative_config=spec)
+    allowed = [300, 301, 302]
+    prompt = [1, 300, 301, 302, 300, 302, 301, 300, 300, 301]
+    draws, per_request = 3000, 250
+    params = SamplingParams(temperature=1.0, max_tokens=3, allowed_token_ids=allowed, n=per_request,
+                            ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * (draws // per_request), params, use_tqdm=False)
+    counts = {}
+    for o in outs:
+        for c in o.outputs:
+            counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
+    drafted, accepted = spec_counts(llm)
+    assert drafted > 0.9 * draws and 0 < accepted < drafted  # (a step's token budget can cut a few)
+
+    def dist(context: list[int]) -> torch.Tensor:
+        logits = llm.engine.score(prompt + context)[-1].double()
+        return logits[allowed].softmax(-1)
+
+    expected, observed = [], []
+    first = dist([])
+    for i, a in enumerate(allowed):
+        second = dist([a])
+        for j, b in enumerate(allowed):
+            third = dist([a, b])
+            for k, c in enumerate(allowed):
+                expected.append(float(first[i] * second[j] * third[k]) * draws)
+                observed.append(counts.get((a, b, c), 0))
+    assert sum(observed) == draws
+    assert _chi_square_p(observed, expected) > 1e-3, (observed, [round(e) for e in expected])
+
+
+def test_constrained_request_keeps_its_schema_under_speculation(smollm2_path, smollm2_llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompt = 'Give {"name": "Ann", "age": 31} again as JSON: '
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": json.dumps(schema)})
+    plain = smollm2_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(smollm2_path), num_kv_blocks=64, max_model_len=256, cpu_activations="float32",
+              speculative_config=dict(NGRAM, prompt_lookup_min=1))
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain.token_ids
+    value = json.loads(out.text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert spec_counts(llm)[1] > 0
+
+
+def test_draft_with_another_tokenizer_is_refused(smollm2_path, tiny_models, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+    tok.add_tokens(["<not-in-the-target>"])
+    other = tmp_path / "other"
+    import shutil
+
+    shutil.copytree(tiny_models["llama"], other)
+    tok.save_pretrained(str(other))
+    with pytest.raises(ValueError, match="different tokenizer from the target"):
+        LLM(str(smollm2_path), num_kv_blocks=32, speculative_config={"model": str(other)})
+
+
+@pytest.mark.parametrize("config, message", [
+    ("{nope", "not valid JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be an integer in \[1, 32\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 40}', r"in \[1, 32\]"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "1 <= min <= max"),
+    ('{"method": "eagle"}', "method must be one of"),
+    ('{"num_speculative_tokens": 3}', 'give "method"'),
+    ('{"method": "ngram", "lookahead": 3}', "unknown key"),
+])
+def test_bad_speculative_config_is_a_clear_error(config, message, capsys):
+    from tianxia.cli import main
+
+    assert main(["run", "-m", "smollm2-135m", "-p", "x", "--speculative-config", config]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert __import__("re").search(message, err[0])
