@@ -196,3 +196,33 @@ def test_bad_speculative_config_is_a_clear_error(config, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert __import__("re").search(message, err[0])
+
+
+def test_server_speculates_and_exports_vllms_counters(smollm2_path):
+    import httpx
+
+    from tianxia.server.testing import ServerProcess, metric
+
+    config = json.dumps(NGRAM)
+    with ServerProcess([str(smollm2_path), "--served-model-name", "m", "--kv-cache-memory", "64MiB",
+                        "--max-model-len", "256", "--speculative-config", config]) as srv:
+        body = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and " 9, 10," in r.json()["choices"][0]["text"]
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+    drafted = metric(text, "vllm:spec_decode_num_draft_tokens_total", model_name="m")
+    accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="m")
+    first = metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position="0")
+    assert metric(text, "vllm:spec_decode_num_drafts_total", model_name="m") > 0
+    assert drafted >= accepted > 0 and 0 < first <= accepted
+
+
+def test_serve_with_a_bad_speculative_config_exits_with_one_line(smollm2_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tianxia.cli", "serve", str(smollm2_path), "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 99}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("error: speculative config: num_speculative_tokens")

@@ -142,6 +142,20 @@ class _EngineCollector(Collector):
         c.add_metric([self.model_name], value)
         return c
 
+    def _spec_decode(self, s: dict):
+        """vLLM's speculative-decoding counters (only when speculation is configured)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                            s["spec_decode_num_drafts"])
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                            s["spec_decode_num_draft_tokens"])
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                            s["spec_decode_num_accepted_tokens"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+
     def collect(self):
         s = self.stats()
         usage = float(s.get("kv_cache_usage", 0.0))
@@ -186,6 +200,8 @@ class _EngineCollector(Collector):
             "Cumulative number of preemptions from the engine.",
             s.get("num_preemptions", 0),
         )
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s)
         yield self._gauge(
             "tianxia:step_num_seqs_max",
             "Most sequences that ran together in one engine step since start.",
