@@ -226,3 +226,19 @@ def test_serve_with_a_bad_speculative_config_exits_with_one_line(smollm2_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("error: speculative config: num_speculative_tokens")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--speculative-config", json.dumps(NGRAM)],
+    ["-md", "TINY", "--draft-max", "3", "--draft-min", "1"],
+])
+def test_run_prints_the_acceptance_rate(smollm2_path, smollm2_llm, tiny_models, flags, capsys):
+    from tianxia.cli import main
+
+    flags = [str(tiny_models["llama"]) if f == "TINY" else f for f in flags]
+    assert main(["run", "-m", str(smollm2_path), "-p", PROMPTS[1], "-n", "12", "--temp", "0",
+                 "--cpu-activations", "float32", *flags]) == 0
+    out, err = capsys.readouterr()
+    plain = smollm2_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert out == PROMPTS[1] + plain[0].outputs[0].text
+    assert "acceptance rate" in err

@@ -74,8 +74,10 @@ class SchedulerConfig:
 
 # more draft tokens than this per step only adds rejected rows: every published setting is below
 MAX_SPECULATIVE_TOKENS = 32
-# CPU: at 8+ sequences a step is no longer bound by reading the weights once, so the k + 1 rows a
-# sequence verifies cost nearly k + 1 decode rows (BENCHMARKS.md, speculative decoding)
+# past a few sequences a decode step is no longer bound by reading the weights once, so the k
+# extra rows a sequence verifies cost real time, which rejected proposals waste: large batches
+# decode normally unless the config says otherwise (vLLM has no default; published gains fall
+# with batch size and turn into slow-downs under load)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 METHODS = ("ngram", "draft_model")

@@ -121,28 +121,23 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, groups:
     argmax = logits.argmax(dim=-1)
     probs = None if batch.all_greedy else sampler.probs(logits, batch)
 
-    # the draft each row verifies (rows at a group's end verify none) and its probability under q
-    draft_rows, draft_ids, draft_q = [], [], []
-    for g in groups:
-        for j, d in enumerate(g.drafts):
-            draft_rows.append(g.start + j)
-            draft_ids.append(d)
-            draft_q.append(None if g.draft_probs is None else (g.draft_probs, j))
+    # the draft each row verifies (a group's last row verifies none), and its probability under q
+    draft_rows = [g.start + j for g in groups for j in range(len(g.drafts))]
     accept: list[bool] = []
     if draft_rows:
         rows_t = torch.tensor(draft_rows, device=device)
-        ids_t = torch.tensor(draft_ids, device=device)
+        ids_t = torch.tensor([d for g in groups for d in g.drafts], device=device)
         ok = argmax[rows_t] == ids_t
-        greedy = (batch.temperature == 0).to(device)[rows_t]
         if probs is not None:
-            q = torch.ones(len(draft_rows), device=device)
-            with_q = [i for i, x in enumerate(draft_q) if x is not None]
-            if with_q:
-                q[with_q] = torch.stack([x[0][x[1], draft_ids[i]] for i, x in
-                                         ((i, draft_q[i]) for i in with_q)]).float()
+            q = torch.cat([
+                torch.ones(len(g.drafts), device=device) if g.draft_probs is None else
+                g.draft_probs[torch.arange(len(g.drafts), device=device),
+                              torch.tensor(g.drafts, device=device)].float()
+                for g in groups if g.drafts
+            ])
             u = sampler.uniform([batch.generators[r] for r in draft_rows], 1)[:, 0].to(device)
-            sampled_ok = u * q < probs[rows_t, ids_t]
-            ok = torch.where(greedy, ok, sampled_ok)
+            greedy = (batch.temperature == 0).to(device)[rows_t]
+            ok = torch.where(greedy, ok, u * q < probs[rows_t, ids_t])
         if dead is not None:
             ok &= ~dead[rows_t]
         accept = ok.tolist()
