@@ -80,6 +80,24 @@ def test_ngram_greedy_output_is_the_plain_output(smollm2_path, smollm2_reference
     assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
 
 
+def test_seeded_samples_do_not_depend_on_the_batch_and_aborts_free_everything(smollm2_path):
+    llm = LLM(str(smollm2_path), num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=24, logprobs=1)
+    alone = answers(llm, [PROMPTS[2]], [seeded])
+    mixed = answers(llm, PROMPTS, [seeded if i == 2 else p for i, p in enumerate(mixed_params())])
+    assert mixed[2] == alone[0] and alone[0][0] != alone[0][1]
+    assert spec_counts(llm)[1] > 0
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    for i in range(len(PROMPTS)):
+        engine.abort_request(f"a{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+
+
 def test_draft_model_greedy_output_is_the_plain_output(smollm2_path, tiny_models, smollm2_reference_answers):
     # a tiny random draft of the same vocabulary: mostly refused, never wrong
     llm = tight(smollm2_path, {"model": str(tiny_models["llama"]), "num_speculative_tokens": 3,
@@ -110,22 +128,32 @@ def _chi_square_p(observed: list[int], expected: list[float]) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_outputs_follow_the_target_distribution(tiny_models, method):
-    """Three allowed tokens, temperature 1, three output tokens: the first comes from the prompt's
-    row, the next two from a speculative step (one proposal, then the bonus or corrected token).
-    The 27 outcomes' counts are compared with the exact joint softmax of the target's logits."""
+ALLOWED = [300, 301, 302]
+PLAIN_T1 = dict(temperature=1.0)
+# penalties make each row's distribution depend on the proposals before it
+SHAPED = dict(temperature=0.7, top_p=0.9, min_p=0.05, presence_penalty=0.3, frequency_penalty=0.2,
+              repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("method, sampling", [("ngram", PLAIN_T1), ("draft_model", PLAIN_T1), ("ngram", SHAPED)])
+def test_sampled_outputs_follow_the_target_distribution(tiny_models, method, sampling):
+    """Three allowed tokens, three output tokens: the first comes from the prompt's row, the next
+    two from a speculative step (one proposal, then the bonus or corrected token). The 27
+    outcomes' counts are compared with the exact joint distribution of non-speculative sampling:
+    the target's scored logits through the sampler's own processing, multiplied out."""
+    from tianxia.engine.sequence import Sequence
+    from tianxia.layers.sampler import Sampler, SamplingBatch
+
     spec = dict(NGRAM, num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
     if method == "draft_model":
         spec = {"model": str(tiny_models["qwen2"]), "num_speculative_tokens": 2, "disable_by_batch_size": None,
                 "min_acceptance_rate": 0.0}
     llm = LLM(str(tiny_models["llama"]), num_kv_blocks=4096, max_model_len=64, max_num_seqs=256, seed=1,
               speculative_config=spec)
-    allowed = [300, 301, 302]
+    allowed = ALLOWED
     prompt = [1, 300, 301, 302, 300, 302, 301, 300, 300, 301]
     draws, per_request = 3000, 250
-    params = SamplingParams(temperature=1.0, max_tokens=3, allowed_token_ids=allowed, n=per_request,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=3, allowed_token_ids=allowed, n=per_request, ignore_eos=True, **sampling)
     outs = llm.generate([{"prompt_token_ids": prompt}] * (draws // per_request), params, use_tqdm=False)
     counts = {}
     for o in outs:
@@ -135,8 +163,12 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_models, method):
     assert drafted > 0.9 * draws and 0 < accepted < drafted  # (a step's token budget can cut a few)
 
     def dist(context: list[int]) -> torch.Tensor:
-        logits = llm.engine.score(prompt + context)[-1].double()
-        return logits[allowed].softmax(-1)
+        logits = llm.engine.score(prompt + context)[-1:].float().clone()
+        seq = Sequence("ref", None, prompt, params)
+        seq.token_ids += context
+        batch = SamplingBatch.from_sequences([seq], llm.engine.eos_ids)
+        sampler = Sampler()
+        return sampler.probs(sampler.process(logits, batch), batch)[0, allowed].double()
 
     expected, observed = [], []
     first = dist([])
@@ -148,6 +180,8 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_models, method):
                 expected.append(float(first[i] * second[j] * third[k]) * draws)
                 observed.append(counts.get((a, b, c), 0))
     assert sum(observed) == draws
+    expected, observed = zip(*[(e, o) for e, o in zip(expected, observed) if e > 0 or o > 0])
+    assert all(e > 0 for e in expected), "a sample the target cannot produce"
     assert _chi_square_p(observed, expected) > 1e-3, (observed, [round(e) for e in expected])
 
 
