@@ -41,6 +41,19 @@ def mixed_params() -> list[SamplingParams]:
     ]
 
 
+def test_ngram_proposes_after_the_longest_latest_match():
+    from tianxia.engine.spec_decode.ngram import NgramProposer
+
+    ngram = NgramProposer(1, 3)
+    #        the 3-gram [1, 2, 3] occurs twice before the end: the latest one is followed by 7, 8
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 6, 1, 2, 3, 7, 8, 0, 1, 2, 3]
+    assert ngram.propose(tokens, 2) == [7, 8]
+    assert ngram.propose(tokens, 9) == [7, 8, 0, 1, 2, 3]  # up to the end of the context
+    assert ngram.propose([5, 6, 7], 4) == []  # no earlier occurrence of any suffix
+    assert NgramProposer(2, 3).propose([4, 1, 9, 1], 4) == []  # a 1-token match is below the minimum
+    assert ngram.propose([4, 1, 9, 1], 4) == [9, 1]
+
+
 def answers(llm: LLM, prompts, params) -> list:
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
