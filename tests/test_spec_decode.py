@@ -35,7 +35,7 @@ def mixed_params() -> list[SamplingParams]:
         SamplingParams(temperature=0, max_tokens=24, stop=[" 14,"]),
         SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.2,
                        presence_penalty=0.1, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logprobs=1, prompt_logprobs=2),
         SamplingParams(temperature=0, max_tokens=20, bad_words=["return"], ignore_eos=True, n=2),
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={11: 2.0}),
     ]
@@ -56,7 +56,8 @@ def test_ngram_proposes_after_the_longest_latest_match():
 
 def answers(llm: LLM, prompts, params) -> list:
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] + [o.prompt_logprobs]
+            for o in outs]
 
 
 def spec_counts(llm: LLM) -> tuple[int, int]:
