@@ -69,7 +69,7 @@ def test_penalties_and_logit_bias_match_reference(smollm2_llm, smollm2_reference
     seq = Sequence("r", None, prompt, params)
     seq.token_ids += output
     batch = SamplingBatch.from_sequences([seq], eos_ids=(2,))
-    ours = Sampler()._process(logits.clone()[None], batch)[0]
+    ours = Sampler().process(logits.clone()[None], batch)[0]
 
     ref = logits.clone()
     for t, b in bias.items():

@@ -12,7 +12,7 @@ import sys
 import time
 
 from tianxia import __version__
-from tianxia.config import add_quantization_args
+from tianxia.config import add_quantization_args, add_speculative_args, speculative_from_args
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -28,6 +28,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     add_quantization_args(p)
+    add_speculative_args(p)
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
@@ -52,6 +53,7 @@ def _make_llm(args: argparse.Namespace):
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
+        speculative_config=speculative_from_args(args),
     )
 
 
@@ -82,7 +84,7 @@ def _stream(llm, prompt, params) -> tuple[int, int, float, float]:
     return seq.num_prompt_tokens, seq.num_output_tokens, (t_first or t_end) - t0, t_end - (t_first or t_end)
 
 
-def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float) -> None:
+def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float, speculator=None) -> None:
     pp = n_prompt / t_prompt if t_prompt > 0 else float("inf")
     tg = (n_gen - 1) / t_gen if n_gen > 1 and t_gen > 0 else float("nan")
     print(
@@ -91,6 +93,11 @@ def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float) -> 
         f"({tg:.2f} tokens/s after the first)",
         file=sys.stderr,
     )
+    if speculator is not None:
+        # llama.cpp's "draft acceptance rate" line
+        print(f"speculative: {speculator.config.method}, {speculator.num_draft_tokens} tokens proposed, "
+              f"{speculator.num_accepted_tokens} accepted (acceptance rate {speculator.acceptance_rate:.3f}) "
+              f"in {speculator.num_drafts} verifications", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -107,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(prompt, end="", flush=True)
     n = args.n_predict if args.n_predict and args.n_predict > 0 else None
     timings = _stream(llm, prompt, _params(args, n))
-    _print_timings(*timings)
+    _print_timings(*timings, llm.engine.speculator)
     return 0
 
 

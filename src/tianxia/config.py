@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -71,6 +72,106 @@ class SchedulerConfig:
     max_model_len: int = 4096
 
 
+# more draft tokens than this per step only adds rejected rows: every published setting is below
+MAX_SPECULATIVE_TOKENS = 32
+# past a few sequences a decode step is no longer bound by reading the weights once, so the k
+# extra rows a sequence verifies cost real time, which rejected proposals waste: large batches
+# decode normally unless the config says otherwise (vLLM has no default; published gains fall
+# with batch size and turn into slow-downs under load)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: ``ngram`` (prompt lookup) or ``draft_model`` (a smaller model with the same
+    tokenizer, ``model``). ``num_speculative_tokens``: the most tokens proposed per sequence and
+    step. ``prompt_lookup_min/max``: the n-gram lengths matched (ngram). ``draft_min``: proposals
+    shorter than this are dropped (llama.cpp's ``--draft-min``). ``disable_by_batch_size``: with
+    more running sequences than this, no sequence speculates (None: never disabled by size)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    draft_min: int = 0
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # a sequence whose drafts are accepted at less than this rate (a running average) stops
+    # proposing for a while: rejected rows cost forward time and give nothing
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"speculative config: {msg}")
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if self.method not in METHODS:
+            fail(f"method must be one of {', '.join(METHODS)} (or give \"model\" for a draft model), "
+                 f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            fail(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "draft_model" and not self.model:
+            fail("method draft_model needs \"model\": a path or pulled name of a draft model "
+                 "that shares the target's tokenizer")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (is_int(lo) and is_int(hi)) or not 1 <= lo <= hi <= 64:
+                fail(f"prompt_lookup_min and prompt_lookup_max must be integers with "
+                     f"1 <= min <= max <= 64, got {lo!r} and {hi!r}")
+        if not is_int(self.draft_min) or not 0 <= self.draft_min <= k:
+            fail(f"draft_min must be an integer in [0, num_speculative_tokens={k}], got {self.draft_min!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (not is_int(b) or b < 1):
+            fail(f"disable_by_batch_size must be a positive integer or null, got {b!r}")
+        r = self.min_acceptance_rate
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 <= r < 1.0:
+            fail(f"min_acceptance_rate must be in [0, 1), got {r!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's keys: ``method`` is ``ngram`` or implied by ``model`` (a draft model); with one
+        of ``prompt_lookup_min/max`` given, the other takes its value."""
+        if not isinstance(values, dict):
+            raise ValueError("speculative config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        values = dict(values)
+        method = values.get("method")
+        if method in (None, "draft_model", "draft") and values.get("model"):
+            values["method"] = "draft_model"
+        elif method is None:
+            raise ValueError('speculative config: give "method": "ngram" or a draft "model"')
+        if values["method"] == "ngram":
+            lo, hi = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+            if lo is None and hi is not None:
+                values["prompt_lookup_min"] = hi
+            elif hi is None and lo is not None:
+                values["prompt_lookup_max"] = lo
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A config from a JSON string (the CLI), a dict (the Python API) or a config."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON ({e}); e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        return cls.from_dict(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -88,6 +189,7 @@ class EngineConfig:
     # CUDA: batch-invariant kernels (layers/batch_invariant.py); CPU results are batch-invariant
     # by default
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
@@ -161,3 +263,44 @@ def add_quantization_args(parser) -> None:
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
     )
+
+
+# llama.cpp's default --draft-max
+DEFAULT_DRAFT_MAX = 16
+
+
+def add_speculative_args(parser) -> None:
+    """vLLM's ``--speculative-config`` and llama.cpp's ``-md/--draft-max/--draft-min``."""
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"model": DRAFT, '
+             '"num_speculative_tokens": 5}\', plus "disable_by_batch_size"',
+    )
+    parser.add_argument("-md", "--model-draft", default=None,
+                        help="draft model for speculative decoding (same tokenizer as the model)")
+    parser.add_argument("--draft-max", "--draft", type=int, default=None,
+                        help=f"most draft tokens per step (default: {DEFAULT_DRAFT_MAX} with -md)")
+    parser.add_argument("--draft-min", type=int, default=None,
+                        help="fewest draft tokens worth verifying; shorter proposals are dropped (default: 0)")
+
+
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The speculative config of a command line (None: speculation off)."""
+    from dataclasses import replace
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.model_draft is not None:
+        if spec is not None:
+            raise ValueError("give either --speculative-config or -md/--model-draft, not both")
+        spec = SpeculativeConfig.from_dict({
+            "model": args.model_draft,
+            "num_speculative_tokens": args.draft_max if args.draft_max is not None else DEFAULT_DRAFT_MAX,
+            "draft_min": args.draft_min or 0,
+        })
+    elif spec is not None and (args.draft_max is not None or args.draft_min is not None):
+        spec = replace(spec, num_speculative_tokens=args.draft_max or spec.num_speculative_tokens,
+                       draft_min=spec.draft_min if args.draft_min is None else args.draft_min)
+    elif args.draft_max is not None or args.draft_min is not None:
+        raise ValueError("--draft-max/--draft-min need -md/--model-draft or --speculative-config")
+    return spec

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from tianxia.engine.llm_engine import LLMEngine, PromptType
 from tianxia.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from tianxia.sampling_params import BeamSearchParams, SamplingParams
@@ -46,6 +46,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         cpu_activations: str = "int8",
         batch_invariant: bool = False,
+        speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -58,6 +59,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             cpu_activations=cpu_activations,
             batch_invariant=batch_invariant,
+            speculative=SpeculativeConfig.parse(speculative_config),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

@@ -229,6 +229,13 @@ class BlockManager:
         seq.block_table = []
         seq.block_keys = []
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks past the last token of ``seq``: after speculative decoding, those
+        that only held rejected proposals (allocated this step, so unshared and unkeyed)."""
+        keep = self.blocks_needed(len(seq))
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free_out_of_window(self, seq: Sequence) -> int:
         """Give back the blocks of ``seq`` that lie wholly before the window of its next token
         (after :meth:`cache_full_blocks`, so they keep their prefix-cache key); returns how many

@@ -267,6 +267,9 @@ class LLMEngine:
         self._grammar_backend = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = self._make_speculator(config.speculative, loaded)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
             "max concurrency at max_model_len=%d: %.1f",
@@ -282,6 +285,19 @@ class LLMEngine:
             cpu_kernels.extension()
             logger.info("CPU: %d threads; resident memory after load %.1f MiB (weights and KV cache)",
                         torch.get_num_threads(), rss_bytes() / 2**20)
+
+    def _make_speculator(self, spec, loaded):
+        from tianxia.engine.spec_decode import Speculator
+
+        draft = None
+        if spec.method == "draft_model":
+            from tianxia.engine.spec_decode.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer.load(spec.model, self, loaded)
+        logger.info("speculative decoding: %s, up to %d tokens per step%s", spec.method,
+                    spec.num_speculative_tokens,
+                    f", off above {spec.disable_by_batch_size} sequences" if spec.disable_by_batch_size else "")
+        return Speculator(spec, self.max_model_len, draft)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -390,6 +406,8 @@ class LLMEngine:
         error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
         :attr:`failed` until the next step."""
         self.failed.clear()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for seq in out.rejected:
@@ -399,11 +417,17 @@ class LLMEngine:
             touched[seq.request_id] = None
         if not out.scheduled:
             return [self._output(rid) for rid in touched if rid in self.requests]
+        if self.speculator is not None:
+            self.speculator.fill(out.scheduled)
         forks = self._fork(out.scheduled)
         result = self.runner.execute(out.scheduled, out.copies, forks)
         now = time.monotonic()
         for seq, n in out.scheduled:
             if seq.is_finished:  # its request failed earlier in this step
+                continue
+            if seq.num_computed_tokens + n > len(seq):
+                self._append_verified(seq, n, result, now)
+                touched[seq.request_id] = None
                 continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -447,6 +471,42 @@ class LLMEngine:
                 if not child.is_finished:
                     self.scheduler.running.append(child)
         return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _append_verified(self, seq: Sequence, n: int, result, now: float) -> None:
+        """A decode that verified ``n - 1`` proposals: append its accepted ones and the token
+        after them (stopping where a stop condition does), keep the KV of the accepted positions
+        only, and give back the blocks that held nothing else."""
+        num_proposed = n - 1
+        seq.spec_token_ids = []
+        seq.draft_probs = None
+        error = result.errors.get(seq.seq_id)
+        if error is not None:
+            self._fail_request(seq.request_id, error)
+            return
+        tokens = result.accepted[seq.seq_id]
+        logprobs = result.accepted_logprobs.get(seq.seq_id)
+        self.speculator.record(seq, num_proposed, len(tokens) - 1)
+        # the KV of the last token and of each accepted proposal is kept
+        seq.num_computed_tokens += len(tokens)
+        seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        for i, token in enumerate(tokens):
+            self.num_generation_tokens += 1
+            seq.token_ids.append(token)
+            try:
+                if logprobs is not None:
+                    seq.logprobs.append(self._logprob_dict(logprobs[i], token))
+                    seq.cumulative_logprob += logprobs[i][2]
+                self._check_stop(seq, token)
+            except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
+                logger.exception("request %s failed", seq.request_id)
+                self._fail_request(seq.request_id, RequestFailure(f"{type(e).__name__}: {e}"))
+            if seq.is_finished:
+                return
+        self.block_manager.truncate(seq)
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free_out_of_window(seq)
 
     def _fork(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[Sequence]]:
         """Fork the n - 1 siblings of requests whose prompt finishes in this step.
@@ -573,4 +633,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

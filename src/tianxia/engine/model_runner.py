@@ -55,6 +55,9 @@ class StepResult:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[int, RequestFailure] = field(default_factory=dict)  # seq_id -> why it got no token
+    # sequences that verified proposals: their accepted proposals, then one more token
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -104,6 +107,8 @@ class ModelRunner:
         for seq, n in order:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
+            if start + n > len(seq):  # a decode that verifies its proposed tokens
+                input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -147,11 +152,17 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         order, ids, pos, meta = self._prepare(scheduled)
         rows, seqs = [], []
+        drafted: list[int] = []  # where the rows of each sequence that verifies proposals start
         for i, (seq, n) in enumerate(order):
-            if seq.num_computed_tokens + n == len(seq):
+            end = seq.num_computed_tokens + n
+            if end == len(seq):
                 for s in (seq, *(forks or {}).get(seq.seq_id, ())):
                     rows.append(meta.query_start_loc[i + 1] - 1)
                     seqs.append(s)
+            elif end > len(seq):  # its last token and n - 1 proposals: every row is sampled
+                drafted.append(len(rows))
+                rows.extend(range(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
+                seqs.extend([seq] * n)
         graph_logits = self._decode_logits(order, ids, pos, meta)
         keep = self._rows_to_keep(order, rows, ids.shape[0])
         if graph_logits is not None:
@@ -175,6 +186,9 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         logits = self._drop_nan_rows(logits, seqs, result)
+        if drafted:
+            self._verify(logits, seqs, drafted, result)
+            return result
         out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
         for i in out.dead_rows:
             result.errors.setdefault(seqs[i].seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
@@ -185,6 +199,41 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[seq.seq_id] = lp
         return result
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[int], result: StepResult) -> None:
+        """Sample a step with proposals: each sequence that verifies k of them gets between 1 and
+        k + 1 tokens in ``result.accepted``; the others one token, as :meth:`execute` gives."""
+        from tianxia.engine.spec_decode.rejection_sampler import DraftedView, Group, verify
+
+        groups, views = [], []
+        starts = set(drafted)
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            if i in starts:
+                drafts = seq.spec_token_ids
+                groups.append(Group(i, drafts, seq.draft_probs, seq.grammar))
+                views.extend(DraftedView(seq, drafts[:j]) for j in range(len(drafts) + 1))
+                i += len(drafts) + 1
+            else:
+                groups.append(Group(i, [], None))
+                views.append(seq)
+                i += 1
+        out = verify(self.sampler, logits, SamplingBatch.from_sequences(views, self.eos_ids), groups)
+        for g, tokens, lps, dead in zip(groups, out.tokens, out.logprobs, out.dead):
+            seq = seqs[g.start]
+            if dead:
+                result.errors.setdefault(seq.seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
+            if seq.seq_id in result.errors:
+                continue
+            if g.start in starts:
+                result.accepted[seq.seq_id] = tokens
+                if lps is not None:
+                    result.accepted_logprobs[seq.seq_id] = lps
+            else:
+                result.tokens[seq.seq_id] = tokens[0]
+                if lps is not None:
+                    result.logprobs[seq.seq_id] = lps[0]
 
     @staticmethod
     def _drop_nan_rows(logits: torch.Tensor, seqs: list[Sequence], result: StepResult) -> torch.Tensor:
@@ -301,6 +350,23 @@ class ModelRunner:
                 (ti[:k], tv[:k], c, r)
                 for ti, tv, c, r in zip(top_ids.tolist(), top_vals.tolist(), chosen.tolist(), ranks.tolist())
             ]
+
+    @torch.inference_mode()
+    def last_logits(self, scheduled: list) -> tuple[list, torch.Tensor]:
+        """Logits at the last new token of each scheduled item, with the items in the order of
+        the rows (a draft model's steps; items need what :meth:`_prepare` reads of a sequence)."""
+        order, ids, pos, meta = self._prepare(scheduled)
+        logits = self._decode_logits(order, ids, pos, meta)
+        if logits is not None:
+            return order, logits
+        rows = [meta.query_start_loc[i + 1] - 1 for i in range(len(order))]
+        keep = self._rows_to_keep(order, rows, ids.shape[0])
+        if keep is not None:
+            hidden = self.model(ids, pos, self.kv_caches, meta, torch.tensor(keep, device=self.device))
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, meta)[torch.tensor(rows, device=self.device)]
+        self.route_counts["eager"] += 1
+        return order, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def prompt_hidden_states(self, seq: Sequence, chunk: int) -> torch.Tensor:

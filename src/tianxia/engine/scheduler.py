@@ -52,6 +52,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
+        seq.spec_token_ids = []
+        seq.draft_num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -66,7 +68,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:
+                # a decode with proposals: they are verified after its token, within the budget
+                del seq.spec_token_ids[budget - 1 :]
+                num_new += len(seq.spec_token_ids)
             while not bm.can_allocate(seq, num_new):
+                if seq.spec_token_ids:  # give up the proposals before anyone's blocks
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1

@@ -34,7 +34,8 @@ class Sequence:
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
-        "grammar", "block_keys", "cache_salt",
+        "grammar", "block_keys", "cache_salt", "spec_token_ids", "draft_probs", "draft_num_computed",
+        "spec_acceptance", "spec_backoff",
     )
 
     def __init__(
@@ -81,6 +82,15 @@ class Sequence:
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.compiled_grammar = None  # xgrammar CompiledGrammar of a constrained request
         self.grammar = None  # this sequence's GrammarMatcher
+        # speculative decoding: tokens proposed for this step (verified after its last token),
+        # the draft model's distributions they were drawn from ([k, vocab], None when proposals
+        # are deterministic), and how many positions the draft model's KV cache holds
+        self.spec_token_ids: list[int] = []
+        self.draft_probs = None
+        self.draft_num_computed = 0
+        # a running average of the fraction of proposals accepted, and steps left without any
+        self.spec_acceptance = 1.0
+        self.spec_backoff = 0
 
     def fork(self, index: int) -> Sequence:
         """A sibling for parallel sampling: same tokens and blocks (the caller adds block refs)."""

@@ -213,7 +213,7 @@ class Sampler:
         raw_logprobs = None
         if any(k is not None for k in batch.num_logprobs):
             raw_logprobs = logits.log_softmax(dim=-1)
-        logits = self._process(logits, batch)
+        logits = self.process(logits, batch)
         dead_rows: list[int] = []
         constrained = (any(g is not None for g in batch.grammars) or any(batch.banned)
                        or any(a is not None for a in batch.allowed))
@@ -227,9 +227,9 @@ class Sampler:
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, batch), dead_rows)
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, batch), dead_rows)
 
-    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         neg_inf = float("-inf")
         constrained = [i for i, g in enumerate(batch.grammars) if g is not None]
         if constrained:
@@ -254,6 +254,15 @@ class Sampler:
         greedy_rows = (batch.temperature == 0).to(logits.device)
         # the greedy rows' tokens first: what follows works in place on this step's logits
         greedy_tokens = logits.argmax(dim=-1) if bool(greedy_rows.any()) else None
+        tokens = self.draw(self.probs(logits, batch), batch.generators)
+        if greedy_tokens is not None:
+            tokens = torch.where(greedy_rows, greedy_tokens, tokens)
+        return tokens.cpu()
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each sampled row draws from, from processed logits (in place):
+        temperature, min-p, top-k and top-p. Greedy rows get a meaningless row."""
         temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
         scaled = logits.div_(temp.to(logits.device)[:, None]) if bool((temp != 1).any()) else logits
         if batch.any_min_p:
@@ -266,30 +275,33 @@ class Sampler:
                 scaled, torch.where(greedy, 0, batch.top_k).to(logits.device),
                 torch.where(greedy, 1.0, batch.top_p).to(logits.device), batch.any_top_k, batch.any_top_p,
             )
-        tokens = self._draw(scaled.softmax(dim=-1), batch)
-        if greedy_tokens is not None:
-            tokens = torch.where(greedy_rows, greedy_tokens, tokens)
-        return tokens.cpu()
+        return scaled.softmax(dim=-1)
 
-    def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row by the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``, which
         is a categorical draw; a seeded row takes its noise from its own generator, so its tokens
         do not depend on the batch it is in. (A draw by inverse transform, one uniform number per
         row, is cheaper, but its running sum over the vocabulary turns the last-bit differences
         of a row's logits between batch compositions into different tokens far more often.) The
         noise is ``-log(u)`` of uniform numbers: torch's ``exponential_`` takes 3x as long."""
-        noise = torch.empty(probs.shape, dtype=torch.float32)
-        shared = [i for i, g in enumerate(batch.generators) if g is None]
-        if shared:
-            noise[shared] = torch.rand(len(shared), probs.shape[1], generator=self.generator)
-        for i, g in enumerate(batch.generators):
-            if g is not None:
-                noise[i] = torch.rand(probs.shape[1], generator=g)
+        noise = self.uniform(generators, probs.shape[1])
         noise = noise.log_().neg_().to(probs.device)
         return (probs / noise).argmax(dim=-1)
 
+    def uniform(self, generators: list[torch.Generator | None], width: int) -> torch.Tensor:
+        """[rows, width] uniform numbers on the host: a seeded row's from its own generator, the
+        others' from the sampler's."""
+        out = torch.empty(len(generators), width, dtype=torch.float32)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            out[shared] = torch.rand(len(shared), width, generator=self.generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                out[i] = torch.rand(width, generator=g)
+        return out
+
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int], batch: SamplingBatch):
+    def logprobs(raw: torch.Tensor | None, tokens: list[int], batch: SamplingBatch):
         if raw is None:
             return [None] * len(tokens)
         rows = [i for i, k in enumerate(batch.num_logprobs) if k is not None]

@@ -22,7 +22,9 @@ from tianxia.config import (
     EngineConfig,
     SchedulerConfig,
     add_quantization_args,
+    add_speculative_args,
     parse_size,
+    speculative_from_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU intra-op threads (default: the physical cores)")
     add_quantization_args(p)
+    add_speculative_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -349,6 +352,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
+        speculative=speculative_from_args(args),
     )
 
 

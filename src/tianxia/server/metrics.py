@@ -138,6 +138,23 @@ class _EngineCollector(Collector):
             f.add_metric([model], value)
         return f
 
+    def _spec_decode(self, stats: dict[str, dict]):
+        """vLLM's speculative-decoding counters, for the models that speculate."""
+        spec = {m: s for m, s in stats.items() if "spec_decode_num_drafts" in s}
+        if not spec:
+            return
+        counter = CounterMetricFamily
+        for key, doc in (("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                         ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                         ("spec_decode_num_accepted_tokens", "Number of accepted tokens.")):
+            yield self._family(counter, f"vllm:{key}", doc, {m: float(s[key]) for m, s in spec.items()})
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=["model_name", "position"])
+        for model, s in spec.items():
+            for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([model, str(pos)], n)
+        yield per_pos
+
     def collect(self):
         engines = dict(self.engines)  # models may load or unload while we scrape
         stats = {m: src.stats() for m, src in engines.items()}
@@ -171,6 +188,7 @@ class _EngineCollector(Collector):
         yield self._family(counter, "vllm:num_preemptions",
                            "Cumulative number of preemptions from the engine.",
                            per_model("num_preemptions"))
+        yield from self._spec_decode(stats)
         yield self._family(gauge, "tianxia:step_num_seqs_max",
                            "Most sequences that ran together in one engine step since start.",
                            {m: src.max_step_seqs() for m, src in engines.items()})
