@@ -44,6 +44,7 @@ from tianxia.layers.attention import triton_attention as ta
 from tianxia.layers import triton_linear as tlin
 from tianxia.layers import triton_pointwise as tpw
 from tianxia.layers.attention import triton_rope
+from tianxia.layers import triton_sampling
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.bfloat16]
@@ -730,3 +731,81 @@ def test_batch_invariant_attention_is_the_same_for_any_batch_or_chunking(dtype, 
     assert torch.equal(alone, whole[-1:]) and torch.equal(beside, whole[-1:])
     ref = get_backend(DEV, "torch").forward(q, k, v, fresh(), _batch([n], [0], num_blocks, bs), d**-0.5)
     torch.testing.assert_close(whole.float(), ref.float(), **_tol(dtype))
+
+
+# --- sampling on the device: truncation thresholds and the Gumbel-max draw ---------------------------
+
+
+def test_truncation_thresholds_keep_what_a_full_sort_keeps():
+    # rows with top-k, top-p, both and neither; one with min-p's -inf holes; nuclei of 1 to ~all
+    g = torch.Generator().manual_seed(0)
+    vocab = 3000
+    logits = torch.randn(8, vocab, generator=g) * 3
+    logits[6, ::3] = float("-inf")
+    logits[7] = torch.randn(vocab, generator=g) * 0.01  # nearly flat: the nucleus is most of it
+    top_k = torch.tensor([0, 50, 5, 1, 0, vocab + 5, 40, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 1.0, 0.3, 0.95, 0.95])
+    thr = triton_sampling.truncation_thresholds(logits.to(DEV), top_k.to(DEV), top_p.to(DEV)).cpu()
+    for i in range(len(logits)):  # the reference: sort everything, then vLLM's rule in float64
+        finite = logits[i] > float("-inf")
+        values, order = logits[i][finite].double().sort(descending=True)
+        order = finite.nonzero().flatten()[order]
+        k = min(int(top_k[i]) or vocab, len(values))
+        probs = values[:k].softmax(-1)
+        kept = order[:k][(probs.cumsum(0) - probs) < top_p[i]]
+        got = ((logits[i] >= thr[i]) & finite).nonzero().flatten()
+        assert torch.equal(got, kept.sort().values), i
+
+
+def test_gumbel_argmax_draws_from_the_truncated_softmax():
+    vocab, draws = 12, 3000
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(vocab, generator=g) * 1.5
+    logits = row.expand(draws, vocab).contiguous()
+    thr = triton_sampling.truncation_thresholds(row[None].to(DEV), torch.tensor([8], device=DEV),
+                                                torch.tensor([0.9], device=DEV)).expand(draws).contiguous()
+    keys = torch.randint(0, 2**32, (draws, 2), generator=g)
+    tokens = triton_sampling.gumbel_argmax(logits.to(DEV), keys.to(DEV), thr).cpu()
+
+    values, order = row.double().sort(descending=True)
+    probs = values[:8].softmax(-1)
+    keep = order[:8][(probs.cumsum(0) - probs) < 0.9]
+    expected = row.double()[keep].softmax(-1) * draws
+    assert set(tokens.tolist()) <= set(keep.tolist()), "drew a token outside the truncated set"
+    observed = torch.tensor([(tokens == t).sum().item() for t in keep.tolist()], dtype=torch.float64)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    p_value = float(torch.special.gammaincc(torch.tensor((len(keep) - 1) / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, f"chi2={chi2:.1f} p={p_value:.2e}"
+
+    # a row's draw depends on its key and logits only: the same in any batch, in any place
+    again = triton_sampling.gumbel_argmax(logits[:7].flip(0).to(DEV), keys[:7].flip(0).to(DEV), thr[:7].flip(0))
+    assert torch.equal(again.cpu().flip(0), tokens[:7])
+
+
+def test_device_sampler_is_seeded_per_row_and_keeps_greedy_rows():
+    from tianxia.engine.sequence import Sequence
+    from tianxia.layers.sampler import Sampler, SamplingBatch
+    from tianxia.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    vocab = 500
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, top_k=40, min_p=0.01, seed=5)
+
+    def sample(params: list[SamplingParams], logits: torch.Tensor) -> list[int]:
+        seqs = [Sequence(f"r{i}", None, [1, 2, 3], p) for i, p in enumerate(params)]
+        batch = SamplingBatch.from_sequences(seqs, eos_ids=(0,))
+        return Sampler(seed=len(params), device_kernels=True)(logits.clone().to(DEV), batch).tokens
+
+    target = torch.randn(1, vocab, generator=g) * 2
+    alone = sample([seeded], target)
+    others = torch.randn(5, vocab, generator=g) * 2
+    mixed = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), seeded,
+             SamplingParams(temperature=0.7, top_p=0.5), SamplingParams(temperature=0.0), SamplingParams(top_k=3)]
+    logits = torch.cat([others[:2], target, others[2:]])
+    tokens = sample(mixed, logits)
+    assert tokens[2] == alone[0]
+    assert tokens[1] == int(logits[1].argmax()) and tokens[4] == int(logits[4].argmax())
+    assert tokens[5] in logits[5].topk(3).indices.tolist()
+    # the same seed and position draw the same token in every row; unseeded rows draw apart
+    assert len(set(sample([seeded] * 8, target.expand(8, vocab)))) == 1
+    assert len(set(sample([SamplingParams(temperature=1.0)] * 8, torch.zeros(8, vocab)))) > 1

@@ -34,7 +34,7 @@ class Sequence:
         "status", "num_computed_tokens", "block_table", "num_cached_tokens", "finish_reason",
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
-        "grammar", "block_keys", "cache_salt", "spec_token_ids", "draft_probs", "draft_num_computed",
+        "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
         "spec_acceptance", "spec_backoff",
     )
 
@@ -68,9 +68,12 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
+        self.sample_seed: int | None = None
         if params.seed is not None:
-            # each of the n sequences of a seeded request gets its own stream, as in vLLM
-            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
+            # each of the n sequences of a seeded request gets its own stream, as in vLLM: on a
+            # CPU from this generator, on a GPU from a hash of (sample_seed, position)
+            self.sample_seed = (params.seed + index) % 2**64
+            self.generator = torch.Generator().manual_seed(self.sample_seed)
         self.detok = None  # set by the engine (IncrementalDetokenizer)
         self.bad_words_ids: list[list[int]] = []
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None

@@ -7,16 +7,33 @@ there; the others get temperature, min-p, top-k and top-p, then a draw by the ex
 take its noise from its own generator, so a seeded request's tokens do not depend on the batch.
 Everything is a tensor op over the batch; Python loops only touch rows that use a rare feature
 (logit_bias, allowed_token_ids, bad_words, a seed).
+
+On a GPU the truncation and the draw run in two Triton kernels (``triton_sampling``): top-k and
+top-p thresholds found by a search over logit values instead of a sort, and a Gumbel-max draw
+whose noise is hashed on the device from each row's key (a seeded row's from its seed and
+position, so it is batch-invariant there too), with no host sync but the copy of the tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+import random
+from typing import Any, Protocol
 
 import torch
 
-from tianxia.engine.sequence import Sequence
+
+class SampledRow(Protocol):
+    """What the sampler reads of a sequence (the engine's ``Sequence``, or a view of one)."""
+
+    params: Any
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+    num_output_tokens: int
+    bad_words_ids: list[list[int]]
+    generator: torch.Generator | None
+    sample_seed: int | None
+    grammar: Any
 
 
 @dataclass
@@ -40,9 +57,12 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    # per row: the seed of its own noise stream (None: the sampler's), and its position in it
+    seeds: list[int | None] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> SamplingBatch:
+    def from_sequences(cls, seqs: list[SampledRow], eos_ids: tuple[int, ...]) -> SamplingBatch:
         params = [s.params for s in seqs]
         temps = [0.0 if p.greedy else p.temperature for p in params]
         penalized = [p.needs_penalties for p in params]
@@ -80,6 +100,8 @@ class SamplingBatch:
             any_top_k=any(p.top_k > 0 for p, s in zip(params, sampled) if s),
             any_top_p=any(p.top_p < 1.0 for p, s in zip(params, sampled) if s),
             any_min_p=any(p.min_p > 0.0 for p, s in zip(params, sampled) if s),
+            seeds=[s.sample_seed for s in seqs],
+            steps=[s.num_output_tokens for s in seqs],
         )
 
 
@@ -102,9 +124,11 @@ def _bad_word_bans(output: list[int], bad_words_ids: list[list[int]]) -> list[in
     return bans
 
 
-def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[S, V] occurrence counts of the (padded with -1) token ids of each row."""
-    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32)
+def _counts(ids: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """[S, V] occurrence counts of the (padded with -1) token ids of each row, built where the
+    logits are (the ids cross, not an [S, V] table)."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=device)
+    ids = ids.to(device, non_blocking=True)
     idx = torch.where(ids < 0, vocab, ids)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
     return counts[:, :vocab]
@@ -112,10 +136,10 @@ def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
-    out_counts = _counts(batch.output_ids, vocab).to(logits.device)
+    out_counts = _counts(batch.output_ids, vocab, logits.device)
     seen = out_counts > 0
     if batch.prompt_ids is not None:
-        seen_any = seen | (_counts(batch.prompt_ids, vocab).to(logits.device) > 0)
+        seen_any = seen | (_counts(batch.prompt_ids, vocab, logits.device) > 0)
     else:
         seen_any = seen
     rep = batch.repetition.to(logits.device)[:, None]
@@ -203,9 +227,24 @@ class SamplerOutput:
     dead_rows: list[int] = field(default_factory=list)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def noise_key(seed: int, step: int) -> int:
+    """A 64-bit key for a seeded row's noise at one position (splitmix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, device_kernels: bool | None = None) -> None:
+        """``device_kernels``: draw with the Triton kernels (None: where the logits are on a GPU
+        and Triton is installed; True also runs them on CPU tensors under Triton's interpreter)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.keys = random.Random(seed)  # unseeded rows' noise keys on the GPU path
+        self.device_kernels = device_kernels
         self.grammar_backend = None  # set by the engine when a request is constrained
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -251,24 +290,62 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_rows = (batch.temperature == 0).to(logits.device)
+        greedy_cpu = batch.temperature == 0
+        greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
-        greedy_tokens = logits.argmax(dim=-1) if bool(greedy_rows.any()) else None
-        tokens = self.draw(self.probs(logits, batch), batch.generators)
+        greedy_tokens = logits.argmax(dim=-1) if bool(greedy_cpu.any()) else None
+        if self._use_device_kernels(logits):
+            tokens = self._sample_on_device(logits, batch)
+        else:
+            tokens = self.draw(self.probs(logits, batch), batch.generators)
         if greedy_tokens is not None:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
 
+    def _use_device_kernels(self, logits: torch.Tensor) -> bool:
+        if self.device_kernels is None:
+            from tianxia.layers.attention.backend import triton_available
+
+            self.device_kernels = logits.is_cuda and triton_available()
+        return self.device_kernels
+
+    def _sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature and min-p as on the host path, then the truncation thresholds and the
+        Gumbel-max draw in Triton: no sort, no host noise, no host sync."""
+        from tianxia.layers import triton_sampling
+
+        dev = logits.device
+        scaled = self.scaled(logits, batch)
+        thresholds = None
+        if batch.any_top_k or batch.any_top_p:
+            greedy = batch.temperature == 0  # their token is the argmax: no truncation to find
+            top_k = torch.where(greedy, 0, batch.top_k) if batch.any_top_k else torch.zeros_like(batch.top_k)
+            top_p = torch.where(greedy, 1.0, batch.top_p) if batch.any_top_p else torch.ones_like(batch.top_p)
+            thresholds = triton_sampling.truncation_thresholds(
+                scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True))
+        rows = len(batch.generators)
+        seeds, steps = batch.seeds or [None] * rows, batch.steps or [0] * rows
+        keys = [self.keys.getrandbits(64) if seed is None else noise_key(seed, step)
+                for seed, step in zip(seeds, steps)]
+        halves = torch.tensor([(k & 0xFFFFFFFF, k >> 32) for k in keys], dtype=torch.int64)
+        return triton_sampling.gumbel_argmax(scaled, halves.to(dev, non_blocking=True), thresholds)
+
     @staticmethod
-    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The distribution each sampled row draws from, from processed logits (in place):
-        temperature, min-p, top-k and top-p. Greedy rows get a meaningless row."""
+    def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Logits divided by each row's temperature, min-p's floor applied (in place)."""
         temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
         scaled = logits.div_(temp.to(logits.device)[:, None]) if bool((temp != 1).any()) else logits
         if batch.any_min_p:
             # p < min_p * p_max where logit < max logit + log(min_p): no softmax needed (log 0 = -inf)
             floor = scaled.amax(dim=-1, keepdim=True) + batch.min_p.to(logits.device).log()[:, None]
             scaled.masked_fill_(scaled < floor, float("-inf"))
+        return scaled
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each sampled row draws from, from processed logits (in place):
+        temperature, min-p, top-k and top-p. Greedy rows get a meaningless row."""
+        scaled = Sampler.scaled(logits, batch)
         if batch.any_top_k or batch.any_top_p:
             greedy = batch.temperature == 0  # their token is the argmax: no truncation to find
             scaled = apply_top_k_top_p(

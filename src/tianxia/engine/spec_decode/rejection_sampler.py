@@ -59,6 +59,10 @@ class DraftedView:
         return self.seq.generator
 
     @property
+    def sample_seed(self) -> int | None:
+        return self.seq.sample_seed
+
+    @property
     def grammar(self):
         return None  # the rows of a constrained sequence are masked by ``_mask_drafted``
 
