@@ -65,6 +65,7 @@ def batch_for(rows: int, temperature: float, top_k: int, top_p: float, min_p: fl
         output_ids=None, prompt_ids=None, generators=[None] * rows, banned=[[] for _ in range(rows)],
         allowed=[None] * rows, bias=[None] * rows, num_logprobs=[None] * rows, grammars=[None] * rows,
         all_greedy=False, any_top_k=top_k > 0, any_top_p=top_p < 1, any_min_p=min_p > 0,
+        seeds=[None] * rows, steps=[0] * rows,
     )
 
 

@@ -736,8 +736,12 @@ def test_batch_invariant_attention_is_the_same_for_any_batch_or_chunking(dtype, 
 # --- sampling on the device: truncation thresholds and the Gumbel-max draw ---------------------------
 
 
-def test_truncation_thresholds_keep_what_a_full_sort_keeps():
-    # rows with top-k, top-p, both and neither; one with min-p's -inf holes; nuclei of 1 to ~all
+@pytest.mark.parametrize("direct_top_k", [False, True], ids=["searched", "topk"])
+def test_truncation_thresholds_keep_what_a_full_sort_keeps(monkeypatch, direct_top_k):
+    # rows with top-k, top-p, both and neither; one with min-p's -inf holes; nuclei of 1 to ~all;
+    # smaller chunks than the kernels' own, so that a row spans several (the last one partly);
+    # top-k found by the search, or read off torch's topk where the largest k is known
+    monkeypatch.setattr(triton_sampling, "_CHUNK", 1024)
     g = torch.Generator().manual_seed(0)
     vocab = 3000
     logits = torch.randn(8, vocab, generator=g) * 3
@@ -745,7 +749,16 @@ def test_truncation_thresholds_keep_what_a_full_sort_keeps():
     logits[7] = torch.randn(vocab, generator=g) * 0.01  # nearly flat: the nucleus is most of it
     top_k = torch.tensor([0, 50, 5, 1, 0, vocab + 5, 40, 0])
     top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 1.0, 0.3, 0.95, 0.95])
-    thr = triton_sampling.truncation_thresholds(logits.to(DEV), top_k.to(DEV), top_p.to(DEV)).cpu()
+    k_max = None
+    if direct_top_k:
+        top_k[5] = 0
+        k_max = int(top_k.max())
+
+    def thresholds(rows):
+        return triton_sampling.truncation_thresholds(logits[rows].to(DEV), top_k[rows].to(DEV),
+                                                     top_p[rows].to(DEV), k_max=k_max).cpu()
+
+    thr = thresholds(torch.arange(len(logits)))
     for i in range(len(logits)):  # the reference: sort everything, then vLLM's rule in float64
         finite = logits[i] > float("-inf")
         values, order = logits[i][finite].double().sort(descending=True)
@@ -755,6 +768,9 @@ def test_truncation_thresholds_keep_what_a_full_sort_keeps():
         kept = order[:k][(probs.cumsum(0) - probs) < top_p[i]]
         got = ((logits[i] >= thr[i]) & finite).nonzero().flatten()
         assert torch.equal(got, kept.sort().values), i
+    # a row's threshold is the same bits in any batch
+    rows = torch.tensor([7, 2, 0])
+    assert torch.equal(thresholds(rows), thr[rows])
 
 
 def test_gumbel_argmax_draws_from_the_truncated_softmax():

@@ -57,9 +57,8 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    # per row: the seed of its own noise stream (None: the sampler's), and its position in it
-    seeds: list[int | None] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
+    seeds: list[int | None]  # per row: the seed of its own noise stream (None: the sampler's)
+    steps: list[int]  # per row: its position in that stream (the number of tokens it has)
 
     @classmethod
     def from_sequences(cls, seqs: list[SampledRow], eos_ids: tuple[int, ...]) -> SamplingBatch:
@@ -230,6 +229,15 @@ class SamplerOutput:
 _MASK64 = (1 << 64) - 1
 
 
+def _truncation(batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k and top-p, disabled on greedy rows (their token is the argmax: there is
+    no truncation to find) and wherever no row of the batch asks for it."""
+    greedy = batch.temperature == 0
+    top_k = torch.where(greedy, 0, batch.top_k) if batch.any_top_k else torch.zeros_like(batch.top_k)
+    top_p = torch.where(greedy, 1.0, batch.top_p) if batch.any_top_p else torch.ones_like(batch.top_p)
+    return top_k, top_p
+
+
 def noise_key(seed: int, step: int) -> int:
     """A 64-bit key for a seeded row's noise at one position (splitmix64 of both)."""
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
@@ -318,15 +326,12 @@ class Sampler:
         scaled = self.scaled(logits, batch)
         thresholds = None
         if batch.any_top_k or batch.any_top_p:
-            greedy = batch.temperature == 0  # their token is the argmax: no truncation to find
-            top_k = torch.where(greedy, 0, batch.top_k) if batch.any_top_k else torch.zeros_like(batch.top_k)
-            top_p = torch.where(greedy, 1.0, batch.top_p) if batch.any_top_p else torch.ones_like(batch.top_p)
+            top_k, top_p = _truncation(batch)
             thresholds = triton_sampling.truncation_thresholds(
-                scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True))
-        rows = len(batch.generators)
-        seeds, steps = batch.seeds or [None] * rows, batch.steps or [0] * rows
+                scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True),
+                use_k=batch.any_top_k, use_p=batch.any_top_p, k_max=int(top_k.max()))
         keys = [self.keys.getrandbits(64) if seed is None else noise_key(seed, step)
-                for seed, step in zip(seeds, steps)]
+                for seed, step in zip(batch.seeds, batch.steps)]
         halves = torch.tensor([(k & 0xFFFFFFFF, k >> 32) for k in keys], dtype=torch.int64)
         return triton_sampling.gumbel_argmax(scaled, halves.to(dev, non_blocking=True), thresholds)
 
@@ -347,11 +352,9 @@ class Sampler:
         temperature, min-p, top-k and top-p. Greedy rows get a meaningless row."""
         scaled = Sampler.scaled(logits, batch)
         if batch.any_top_k or batch.any_top_p:
-            greedy = batch.temperature == 0  # their token is the argmax: no truncation to find
-            scaled = apply_top_k_top_p(
-                scaled, torch.where(greedy, 0, batch.top_k).to(logits.device),
-                torch.where(greedy, 1.0, batch.top_p).to(logits.device), batch.any_top_k, batch.any_top_p,
-            )
+            top_k, top_p = _truncation(batch)
+            scaled = apply_top_k_top_p(scaled, top_k.to(logits.device), top_p.to(logits.device),
+                                       batch.any_top_k, batch.any_top_p)
         return scaled.softmax(dim=-1)
 
     def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

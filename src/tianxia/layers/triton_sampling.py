@@ -5,13 +5,15 @@
   rather than a sort. Each pass over the row evaluates ``NCAND`` candidate thresholds at once
   (how many logits, or how much probability mass, lies at or above each) and narrows the
   interval that holds the answer ``NCAND``-fold; ``PASSES`` passes narrow it past float32's
-  resolution, so the kept set is the sort's, up to logits equal to the last one kept.
+  resolution, so the kept set is the sort's, up to logits equal to the last one kept. A pass is
+  one launch over (row, chunk of the vocabulary) programs, each weighing its chunk: the row's
+  chunk sums (in chunk order) narrow the interval at the start of the next pass.
 - ``gumbel_argmax``: one token per row by the Gumbel-max trick, ``argmax(logit + g)`` over the
   kept logits with ``g = -log(-log u)``, which is a categorical draw from their softmax. ``u`` is
   a counter-based hash of (the row's 64-bit key, the token id): a seeded sequence's key comes from
   its seed and position, so its draw is the same in any batch, and no noise crosses the bus.
 
-Both run in Triton's interpreter on CPU tensors (the tests), as the other kernels of ``layers/``.
+The chunks are of a fixed size, so no sum's order depends on the batch. Both run in Triton's interpreter on CPU tensors (the tests), as the other kernels of ``layers/``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ import triton.language as tl
 
 _NCAND = 16
 _PASSES = 8  # 16**8 = 2**32 narrowing: past float32's spacing for any logit range under 2**8
+# Each row is cut into chunks of a fixed size, one program each, so that a pass over 256 rows of a
+# 152k vocabulary runs as ~10k programs instead of 256 long ones; the size does not depend on the
+# batch, so neither does the order of any sum (a seeded row's draw is batch-invariant)
+_CHUNK = 4096
+_BLOCK = 256
+# the largest top-k read off torch's ``topk`` (faster than the search for small k: 0.64 vs 1.55 ms
+# for 256 rows of 152k logits and k = 40 on an H200); a larger one is searched for
+TOPK_DIRECT = 1024
 
 
 @triton.jit
@@ -36,73 +46,197 @@ def _mix32(x):
 
 
 @triton.jit
-def _search(base, V, lo, hi, m, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
-            NCAND: tl.constexpr, PASSES: tl.constexpr):
-    """The largest threshold ``t`` in ``[lo, hi]`` whose weight at or above it (a count of logits,
-    or with ``MASS`` their ``exp(x - m)``) is still at least ``target``; ``lo`` must satisfy it."""
+def _extrema_kernel(logits_ptr, stride, max_ptr, min_ptr, V, C,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Each chunk's largest logit and smallest finite one."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * stride
     offs = tl.arange(0, BLOCK)
+    mv = tl.full([BLOCK], float("-inf"), tl.float32)
+    mnv = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
+        mv = tl.maximum(mv, x)
+        mnv = tl.minimum(mnv, tl.where(x > float("-inf"), x, float("inf")))
+    tl.store(max_ptr + row * C + c, tl.max(mv, axis=0))
+    tl.store(min_ptr + row * C + c, tl.min(mnv, axis=0))
+
+
+@triton.jit
+def _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+               MASS: tl.constexpr, HAS_LO0: tl.constexpr, CPAD: tl.constexpr):
+    """A row's largest logit, the low end of its search, whether it searches, and its target
+    (top-k's count, or top-p's share of the mass at or above the low end)."""
+    cc = tl.arange(0, CPAD)
+    m = tl.max(tl.load(cmax_ptr + row * C + cc, mask=cc < C, other=float("-inf")), axis=0)
+    if HAS_LO0:
+        lo0 = tl.load(lo0_ptr + row)
+    else:
+        lo0 = tl.min(tl.load(cmin_ptr + row * C + cc, mask=cc < C, other=float("inf")), axis=0)
+    if MASS:
+        p = tl.load(p_ptr + row)
+        active = p < 1.0
+        target = p * tl.sum(tl.load(zpart_ptr + row * C + cc, mask=cc < C, other=0.0), axis=0)
+    else:
+        k = tl.load(k_ptr + row)
+        active = (k > 0) & (k < V)
+        target = k.to(tl.float32)
+    return m, lo0, active, target
+
+
+@triton.jit
+def _mass_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, out_ptr, V, C,
+                 HAS_LO0: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CPAD: tl.constexpr):
+    """Each chunk's ``sum(exp(x - max))`` over the logits at or above the row's low end."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    m, thr, _, _ = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, lo0_ptr, lo0_ptr, lo0_ptr, V, C,
+                              False, HAS_LO0, CPAD)
+    base = logits_ptr + row.to(tl.int64) * stride
+    offs = tl.arange(0, BLOCK)
+    zv = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
+        zv += tl.where((x >= thr) & (x > float("-inf")), tl.exp(x - m), 0.0)
+    tl.store(out_ptr + row * C + c, tl.sum(zv, axis=0))
+
+
+@triton.jit
+def _narrow(lohi_ptr, cands_ptr, part_ptr, row, target, C,
+            NCAND: tl.constexpr, CPAD: tl.constexpr):
+    """The interval after a pass: between the last of its candidates whose weight (summed over
+    the row's chunks, in chunk order) still reaches ``target`` and the first that does not."""
     j = tl.arange(0, NCAND)
-    for _ in range(PASSES):
+    cc = tl.arange(0, CPAD)
+    part = tl.load(part_ptr + (row * C + cc[:, None]) * NCAND + j[None, :], mask=cc[:, None] < C, other=0.0)
+    acc = tl.sum(part, axis=0)
+    cands = tl.load(cands_ptr + row * NCAND + j)
+    lo = tl.load(lohi_ptr + 2 * row)
+    hi = tl.load(lohi_ptr + 2 * row + 1)
+    # the weight falls as the threshold rises: the first `ok` candidates satisfy the target
+    ok = tl.sum((acc >= target).to(tl.int32), axis=0)
+    new_lo = tl.sum(tl.where(j == ok - 1, cands, 0.0), axis=0)
+    new_hi = tl.sum(tl.where(j == ok, cands, 0.0), axis=0)
+    lo = tl.where(ok > 0, new_lo, lo)
+    hi = tl.where(ok < NCAND, new_hi, hi)
+    return lo, hi
+
+
+@triton.jit
+def _search_pass_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
+                        lohi_in, cands_in, part_in, lohi_out, cands_out, part_out, V, C,
+                        FIRST: tl.constexpr, MASS: tl.constexpr, HAS_LO0: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCAND: tl.constexpr, CPAD: tl.constexpr):
+    """One pass of the search for one chunk: narrow the row's interval by the last pass's sums
+    (every chunk of the row computes the same), then weigh this pass's candidates over the chunk."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    m, lo0, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+                                        MASS, HAS_LO0, CPAD)
+    if active:
+        if FIRST:
+            lo = lo0
+            hi = m
+        else:
+            lo, hi = _narrow(lohi_in, cands_in, part_in, row, target, C, NCAND, CPAD)
+        j = tl.arange(0, NCAND)
         cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
-        acc = tl.zeros([NCAND], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
+        if c == 0:  # the next pass reads these rather than recomputing them
+            tl.store(lohi_out + 2 * row, lo)
+            tl.store(lohi_out + 2 * row + 1, hi)
+            tl.store(cands_out + row * NCAND + j, cands)
+        base = logits_ptr + row.to(tl.int64) * stride
+        offs = tl.arange(0, BLOCK)
+        # per-lane sums, reduced once: a reduction across the block in every iteration costs
+        # more than the loads
+        acc2 = tl.zeros([BLOCK, NCAND], dtype=tl.float32)
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
             if MASS:
                 w = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
             else:
                 w = tl.where(x > float("-inf"), 1.0, 0.0)
-            acc += tl.sum(tl.where(x[:, None] >= cands[None, :], w[:, None], 0.0), axis=0)
-        # the weight falls as the threshold rises: the first `ok` candidates satisfy the target
-        ok = tl.sum((acc >= target).to(tl.int32), axis=0)
-        new_lo = tl.sum(tl.where(j == ok - 1, cands, 0.0), axis=0)
-        new_hi = tl.sum(tl.where(j == ok, cands, 0.0), axis=0)
-        lo = tl.where(ok > 0, new_lo, lo)
-        hi = tl.where(ok < NCAND, new_hi, hi)
-    return lo
+            acc2 += tl.where(x[:, None] >= cands[None, :], w[:, None], 0.0)
+        tl.store(part_out + (row * C + c) * NCAND + j, tl.sum(acc2, axis=0))
 
 
 @triton.jit
-def _thresholds_kernel(logits_ptr, stride, k_ptr, p_ptr, out_ptr, V,
-                       BLOCK: tl.constexpr, NCAND: tl.constexpr, PASSES: tl.constexpr):
+def _search_final_kernel(cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
+                         lohi_in, cands_in, part_in, out_ptr, V, C,
+                         MASS: tl.constexpr, HAS_LO0: tl.constexpr, NCAND: tl.constexpr, CPAD: tl.constexpr):
     row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * stride
-    k = tl.load(k_ptr + row)
-    p = tl.load(p_ptr + row)
-    offs = tl.arange(0, BLOCK)
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    mn = tl.min(tl.full([BLOCK], float("inf"), tl.float32), axis=0)
-    for start in range(0, V, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
-        m = tl.maximum(m, tl.max(x, axis=0))
-        mn = tl.minimum(mn, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=0))
-    thr = mn
-    if k < V:
-        thr = _search(base, V, mn, m, m, k.to(tl.float32), False, BLOCK, NCAND, PASSES)
-    if p < 1.0:
-        # the top-p mass is measured over the top-k set, as vLLM renormalizes after top-k
-        z = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
-        for start in range(0, V, BLOCK):
-            x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
-            z += tl.sum(tl.where(x >= thr, tl.exp(x - m), 0.0), axis=0)
-        thr = _search(base, V, thr, m, m, p * z, True, BLOCK, NCAND, PASSES)
+    _, thr, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+                                        MASS, HAS_LO0, CPAD)
+    if active:
+        thr, _ = _narrow(lohi_in, cands_in, part_in, row, target, C, NCAND, CPAD)
     tl.store(out_ptr + row, thr)
 
 
-def truncation_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[S] float32: each row keeps the logits at or above its threshold. ``top_k`` (int, ``>= V``
-    or 0 for none) and ``top_p`` (float, 1 for none) are per row, on the logits' device."""
+def _search(logits: torch.Tensor, cmax: torch.Tensor, cmin: torch.Tensor, lo0: torch.Tensor | None,
+            top_k: torch.Tensor, top_p: torch.Tensor, zpart: torch.Tensor | None) -> torch.Tensor:
+    """[S]: for each searching row, the largest threshold in ``[lo0, max]`` whose weight at or
+    above it (a count of logits, or with ``zpart`` given their ``exp(x - max)``) still reaches
+    its target (``lo0``, the smallest finite logit where None, must); other rows keep ``lo0``.
+    ``_PASSES`` launches each narrow the interval that holds it ``_NCAND``-fold."""
     S, V = logits.shape
-    k = torch.where(top_k > 0, top_k, V).to(torch.int32)
-    out = torch.empty(S, dtype=torch.float32, device=logits.device)
-    _thresholds_kernel[(S,)](logits, logits.stride(0), k, top_p.float().contiguous(), out, V,
-                             BLOCK=min(512, triton.next_power_of_2(V)), NCAND=_NCAND, PASSES=_PASSES, num_warps=8)
+    C = cmax.shape[1]
+    dev = logits.device
+    lohi = [torch.empty(S, 2, device=dev), torch.empty(S, 2, device=dev)]
+    cands = [torch.empty(S, _NCAND, device=dev), torch.empty(S, _NCAND, device=dev)]
+    part = [torch.empty(S, C, _NCAND, device=dev), torch.empty(S, C, _NCAND, device=dev)]
+    mass, has_lo0 = zpart is not None, lo0 is not None
+    lo0 = lo0 if has_lo0 else cmin  # unread without HAS_LO0
+    zpart = zpart if mass else cmax  # unread without MASS
+    cpad = triton.next_power_of_2(C)
+    for i in range(_PASSES):
+        src, dst = (i + 1) % 2, i % 2
+        _search_pass_kernel[(S, C)](
+            logits, logits.stride(0), cmax, cmin, lo0, top_k, top_p, zpart,
+            lohi[src], cands[src], part[src], lohi[dst], cands[dst], part[dst], V, C,
+            FIRST=i == 0, MASS=mass, HAS_LO0=has_lo0, CHUNK=_CHUNK, BLOCK=_BLOCK, NCAND=_NCAND,
+            CPAD=cpad, num_warps=4)
+    out = torch.empty(S, dtype=torch.float32, device=dev)
+    last = (_PASSES - 1) % 2
+    _search_final_kernel[(S,)](cmax, cmin, lo0, top_k, top_p, zpart, lohi[last], cands[last], part[last],
+                               out, V, C, MASS=mass, HAS_LO0=has_lo0, NCAND=_NCAND, CPAD=cpad, num_warps=1)
     return out
 
 
+def truncation_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                          use_k: bool = True, use_p: bool = True, k_max: int | None = None) -> torch.Tensor:
+    """[S] float32: each row keeps the logits at or above its threshold. ``top_k`` (int, ``>= V``
+    or 0 for none) and ``top_p`` (float, 1 for none) are per row, on the logits' device;
+    ``use_k`` / ``use_p`` False skip a search no row asks for, and ``k_max`` (the largest top-k,
+    known on the host) lets a top-k up to ``TOPK_DIRECT`` be read off ``topk`` instead."""
+    S, V = logits.shape
+    C = triton.cdiv(V, _CHUNK)
+    dev = logits.device
+    top_p = top_p.float()
+    cmax = torch.empty(S, C, dtype=torch.float32, device=dev)
+    cmin = torch.empty(S, C, dtype=torch.float32, device=dev)
+    _extrema_kernel[(S, C)](logits, logits.stride(0), cmax, cmin, V, C, CHUNK=_CHUNK, BLOCK=1024, num_warps=4)
+    thr = None
+    if use_k and k_max is not None and 0 < k_max <= TOPK_DIRECT:
+        # the k-th largest logit itself: exact, and a copy of an input, so batch-invariant
+        kth = logits.topk(min(k_max, V), dim=-1, sorted=True).values
+        k = top_k.clamp(min=1, max=min(k_max, V)) - 1
+        has_k = (top_k > 0) & (top_k < V)
+        thr = torch.where(has_k, kth.gather(1, k[:, None]).squeeze(1), cmin.amin(dim=1))
+    elif use_k:
+        thr = _search(logits, cmax, cmin, None, top_k, top_p, None)
+    if use_p or thr is None:
+        # the top-p mass is measured over the top-k set, as vLLM renormalizes after top-k
+        zpart = torch.empty(S, C, dtype=torch.float32, device=dev)
+        _mass_kernel[(S, C)](logits, logits.stride(0), cmax, cmin, thr if thr is not None else cmin, zpart, V, C,
+                             HAS_LO0=thr is not None, CHUNK=_CHUNK, BLOCK=1024, CPAD=triton.next_power_of_2(C),
+                             num_warps=4)
+        thr = _search(logits, cmax, cmin, thr, top_k, top_p if use_p else torch.ones_like(top_p), zpart)
+    return thr
+
+
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, thr_ptr, out_ptr, V,
-                          HAS_THR: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, thr_ptr, best_ptr, idx_ptr, V, C,
+                          HAS_THR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Each chunk's best noisy score and its token (the first on ties)."""
+    row, c = tl.program_id(0), tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
     key_lo = tl.load(keys_ptr + 2 * row).to(tl.uint32)
     key_hi = tl.load(keys_ptr + 2 * row + 1).to(tl.uint32)
@@ -111,29 +245,34 @@ def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, thr_ptr, out_ptr, V,
     else:
         thr = float("-inf")
     offs = tl.arange(0, BLOCK)
-    best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-    best_i = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
-    for start in range(0, V, BLOCK):
+    # each lane keeps its own best; one reduction at the end
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
         idx = start + offs
         x = tl.load(base + idx, mask=idx < V, other=float("-inf"))
         h = _mix32(_mix32(idx.to(tl.uint32) ^ key_lo) ^ key_hi)
         # 24 bits, so u is exact in float32 and never 0 or 1
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where((x >= thr) & (x > float("-inf")), x - tl.log(-tl.log(u)), float("-inf"))
-        bmax = tl.max(score, axis=0)
-        barg = tl.argmax(score, axis=0).to(tl.int32)
-        best_i = tl.where(bmax > best, start + barg, best_i)
-        best = tl.maximum(best, bmax)
-    tl.store(out_ptr + row, best_i)
+        better = score > best
+        best_i = tl.where(better, idx, best_i)
+        best = tl.where(better, score, best)
+    top = tl.max(best, axis=0)
+    tl.store(best_ptr + row * C + c, top)
+    tl.store(idx_ptr + row * C + c, tl.min(tl.where(best == top, best_i, V), axis=0))
 
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, thresholds: torch.Tensor | None) -> torch.Tensor:
     """[S] int64 tokens: a categorical draw from each row's softmax over its logits at or above
     its threshold. ``keys``: [S, 2] int64, the two 32-bit halves of each row's noise key."""
     S, V = logits.shape
-    out = torch.empty(S, dtype=torch.int32, device=logits.device)
-    thr = thresholds if thresholds is not None else out  # unread without HAS_THR
-    _gumbel_argmax_kernel[(S,)](logits, logits.stride(0), keys.contiguous(), thr, out, V,
-                                HAS_THR=thresholds is not None,
-                                BLOCK=min(2048, triton.next_power_of_2(V)), num_warps=8)
-    return out.long()
+    C = triton.cdiv(V, _CHUNK)
+    best = torch.empty(S, C, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(S, C, dtype=torch.int32, device=logits.device)
+    thr = thresholds if thresholds is not None else best  # unread without HAS_THR
+    _gumbel_argmax_kernel[(S, C)](logits, logits.stride(0), keys.contiguous(), thr, best, idx, V, C,
+                                  HAS_THR=thresholds is not None, CHUNK=_CHUNK, BLOCK=1024, num_warps=4)
+    # the best chunk; on a tie, the lowest token id
+    top = best.amax(dim=1, keepdim=True)
+    return torch.where(best == top, idx, V).amin(dim=1).long()
