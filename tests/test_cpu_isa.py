@@ -99,3 +99,17 @@ def test_smollm2_logprobs_are_the_same_under_every_variant(smollm2_path, activat
             ext.set_cpu_isa(level, rows)
             assert ext.cpu_isa() == level
             assert _answers(llm) == want, f"variant {level} from {rows} rows"
+
+
+def test_doctor_names_the_isa_and_amx(monkeypatch):
+    from tianxia.doctor import check_kernel_isa
+
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    isa, amx = check_kernel_isa()
+    best = cpu_isa.best_available()
+    assert isa.detail.startswith("AVX2" if best != "none" else "none")
+    if best not in ("avx2", "none"):
+        assert "forced by TIANXIA_CPU_ISA" in isa.detail
+    assert amx.name == "amx" and amx.detail
+    monkeypatch.setenv(cpu_isa.ENV, "none")
+    assert check_kernel_isa()[0].status == "warn"

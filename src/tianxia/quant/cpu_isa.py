@@ -93,3 +93,16 @@ def choose(best: str | None = None) -> str:
 def kernel_level(isa: str) -> int:
     """The extension's variant for an ISA: AMX has no kernels yet, so it runs the AVX-512 ones."""
     return KERNEL_LEVEL["avx512" if isa == "amx" else isa]
+
+
+NAMES = {"none": "none (torch's own kernels)", "avx2": "AVX2", "avx512": "AVX-512 VNNI", "amx": "AMX"}
+
+
+def amx_status() -> str:
+    """AMX in words: absent, present but refused by the OS, or present and permitted."""
+    f = cpu_flags()
+    if "amx_tile" not in f:
+        return "not on this CPU"
+    if not amx_permitted():
+        return "on this CPU, but the OS refuses tile data (Linux 5.16+ grants it on request)"
+    return "on this CPU and permitted by the OS; no AMX kernels yet (untested here), AVX-512 runs instead"
