@@ -90,6 +90,13 @@ def choose(best: str | None = None) -> str:
     return want
 
 
+def avx512_min_rows() -> int:
+    """``TIANXIA_CPU_AVX512_MIN_ROWS``: the fewest activation rows a product takes the AVX-512 variant
+    for (an A/B knob for benchmarks; -1, the kernels' default, when unset)."""
+    v = os.environ.get("TIANXIA_CPU_AVX512_MIN_ROWS", "").strip()
+    return int(v) if v.isdigit() else -1
+
+
 def kernel_level(isa: str) -> int:
     """The extension's variant for an ISA: AMX has no kernels yet, so it runs the AVX-512 ones."""
     return KERNEL_LEVEL["avx512" if isa == "amx" else isa]

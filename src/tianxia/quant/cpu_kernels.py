@@ -74,7 +74,7 @@ def extension():
         )
         if (took := time.perf_counter() - t0) > 5:  # built now, not found in torch's cache
             logger.info("built the CPU kernels in %.0f s (once per machine and torch version)", took)
-        ext.set_cpu_isa(cpu_isa.kernel_level(isa), -1)
+        ext.set_cpu_isa(cpu_isa.kernel_level(isa), cpu_isa.avx512_min_rows())
         logger.info("CPU kernels: %s", describe(ext, isa))
         return ext
     except Exception as e:  # no compiler, no headers: stay correct, just slower
