@@ -28,7 +28,10 @@ order). Outputs ``results.json`` and ``cpu_vs_llamacpp.md``.
 
 ``--base-src DIR`` adds a third engine to every round: tianxia from another checkout's ``src``
 (say, the main branch before a kernel change), with its own kernel build, so that a change's
-cost is measured side by side, round by round, as ``tianxia / base``.
+cost is measured side by side, round by round, as ``tianxia / base``. ``--isa`` and ``--base-isa``
+set ``TIANXIA_CPU_ISA`` for the two (the base then runs this checkout unless ``--base-src`` is
+given): ``--no-llamacpp --base-isa avx2`` is the A/B of the AVX-512 kernels against AVX2.
+``--prompt-tokens`` sets the prompt's length (128 by default).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def rss() -> int:
 
 def prompt_ids(tokenizer) -> tuple[list[int], list[int], list[list[int]]]:
     text = " ".join(PROMPTS) * 4
-    long = tokenizer.encode(text)[:PROMPT_TOKENS]
+    long = tokenizer.encode(text * 4)[:PROMPT_TOKENS]
     assert len(long) == PROMPT_TOKENS
     return long, tokenizer.encode("Tell me a story about a dragon."), [tokenizer.encode(p) for p in PROMPTS]
 
@@ -232,11 +235,15 @@ def worker_transformers(model: str, threads: int, runs: int, ctx: int, ref_file:
 def run_worker(engine: str, model: str, args, ref_file: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--model", model, "--threads", str(args.threads),
            "--runs", str(args.runs), "--ctx", str(args.ctx)] + (["--ref-file", ref_file] if ref_file else [])
-    env = None
-    if engine.startswith("tianxia_base"):  # the other checkout's package first, its kernels built apart
+    cmd += ["--prompt-tokens", str(PROMPT_TOKENS)]
+    env = dict(os.environ)
+    if engine.startswith("tianxia_base") and args.base_src:  # the other checkout first, its kernels apart
         base = str(Path(args.base_src).resolve())
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([base, os.environ.get("PYTHONPATH", "")]),
-               "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "tianxia-base-" + base.replace("/", "_"))}
+        env.update({"PYTHONPATH": os.pathsep.join([base, os.environ.get("PYTHONPATH", "")]),
+                    "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "tianxia-base-" + base.replace("/", "_"))})
+    isa = args.base_isa if engine.startswith("tianxia_base") else args.isa if engine.startswith("tianxia") else None
+    if isa:
+        env["TIANXIA_CPU_ISA"] = isa
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -264,6 +271,7 @@ WORKERS = {"tianxia": worker_tianxia, "tianxia_f32": worker_tianxia_f32, "tianxi
 
 
 def main() -> None:
+    global PROMPT_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
@@ -276,6 +284,10 @@ def main() -> None:
                     help="also run tianxia with --cpu-activations float32 (exact products)")
     ap.add_argument("--base-src", default=None, metavar="DIR",
                     help="also run tianxia from this src directory in every round (the cost of a change)")
+    ap.add_argument("--isa", default=None, help="TIANXIA_CPU_ISA for tianxia")
+    ap.add_argument("--base-isa", default=None,
+                    help="TIANXIA_CPU_ISA for the base (this checkout's src unless --base-src is given)")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="the timed prompt's length")
     ap.add_argument("--no-llamacpp", action="store_true",
                     help="with --base-src: only the two tianxia builds (no llama.cpp, no agreement pass)")
     ap.add_argument("--out", default=None)
@@ -283,6 +295,8 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--ref-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    PROMPT_TOKENS = args.prompt_tokens
+    has_base = bool(args.base_src or args.base_isa)
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args.model, args.threads, args.runs, args.ctx, args.ref_file)))
         return
@@ -295,13 +309,13 @@ def main() -> None:
     for name in args.models.split(","):
         model = os.path.expanduser(MODELS[name])
         print(f"== {name}", file=sys.stderr)
-        if args.no_llamacpp and not args.base_src:
-            raise SystemExit("--no-llamacpp needs --base-src")
+        if args.no_llamacpp and not has_base:
+            raise SystemExit("--no-llamacpp needs --base-src or --base-isa")
         if args.no_llamacpp:  # the two builds alone, with the activations asked for
             timed = ("tianxia_f32", "tianxia_base_f32") if args.float32 else ("tianxia", "tianxia_base")
             engines = timed
         else:
-            timed = ("llamacpp", "tianxia") + (("tianxia_base",) if args.base_src else ())
+            timed = ("llamacpp", "tianxia") + (("tianxia_base",) if has_base else ())
             engines = timed + (("tianxia_f32",) if args.float32 else ())
         with tempfile.TemporaryDirectory() as tmp:
             ref_file = None
@@ -400,7 +414,9 @@ def base_report(results: dict, args, stamp, load_before, load_after) -> str:
     lines = [
         (f"Machine: {os.cpu_count()} CPUs ({_cpu_name()}), {args.threads} threads each; {stamp:%Y-%m-%d %H:%M} UTC; "
          f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; medians of {args.runs} runs x "
-         f"{args.rounds} rounds, the two builds alternating; base = {args.base_src}."),
+         f"{args.rounds} rounds, the two builds alternating; base = {args.base_src or 'this src'}"
+         f"{f', TIANXIA_CPU_ISA={args.base_isa}' if args.base_isa else ''}"
+         f"{f'; tianxia TIANXIA_CPU_ISA={args.isa}' if args.isa else ''}."),
         "", "| model | metric | base | tianxia | tianxia / base [per round] |", "|---|---|---|---|---|",
     ]
     new, old = ("tianxia_f32", "tianxia_base_f32") if args.float32 else ("tianxia", "tianxia_base")

@@ -156,6 +156,8 @@ def check_cpu() -> list[Check]:
     else:
         checks.append(Check("cpu flags", OK, "has " + (", ".join(have) or "none of the SIMD sets")
                             + (f"; lacks {', '.join(missing)}" if missing else "")))
+        if table is X86_FLAGS:
+            checks.extend(check_kernel_isa())
         if table is X86_FLAGS and "avx2" not in flags:
             checks.append(Check("simd", WARN, "no AVX2: torch's CPU kernels fall back to slow paths",
                                 "run on a CPU with AVX2 (any x86 CPU since ~2013)"))
@@ -172,6 +174,24 @@ def check_cpu() -> list[Check]:
         st, fix = WARN, f"pass -t {max(1, int(quota))} (threads above the CPU quota only contend)"
     checks.append(Check("cores", st, detail, fix))
     return checks
+
+
+def check_kernel_isa() -> list[Check]:
+    """The instruction set tianxia's CPU kernels will use here (from the CPU's flags and
+    TIANXIA_CPU_ISA, without building them), and AMX's state."""
+    from tianxia.quant import cpu_isa
+
+    best, isa = cpu_isa.best_available(), cpu_isa.choose()
+    detail = cpu_isa.NAMES[isa] + (" (for the 8-bit-activation products of several rows; AVX2 elsewhere)"
+                                   if isa in ("avx512", "amx") else "") + (f" (forced by {cpu_isa.ENV}; best here: {cpu_isa.NAMES[best]})"
+                                   if isa != best else "")
+    st = WARN if isa == "none" else OK
+    fix = None
+    if isa == "none" and best != "none":
+        fix = f"unset {cpu_isa.ENV} to use the C++ kernels"
+    elif isa == "none":
+        fix = "run on a CPU with AVX2, FMA and F16C for tianxia's CPU kernels"
+    return [Check("cpu kernels isa", st, detail, fix), Check("amx", INFO, cpu_isa.amx_status())]
 
 
 def check_memory() -> list[Check]:

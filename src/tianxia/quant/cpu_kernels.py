@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tianxia.quant import cpu_isa
 from tianxia.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "fused_ops.cpp", "decoder.cpp"]
+_SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "gemm_int8_avx512.cpp", "isa.cpp", "fused_ops.cpp",
+            "decoder.cpp"]
 # -ffp-contract=off: the compiler fuses no multiply and add of its own, so that the same
 # expression rounds the same way wherever it is inlined (the kernels write their fmas out)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
@@ -50,9 +52,13 @@ def _build_name() -> str:
 
 @functools.cache
 def extension():
-    """The compiled kernels, or None where they cannot be built here."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        logger.warning("packed-weight kernels need AVX2; using the torch fallback")
+    """The compiled kernels, or None where they cannot be built here (or ``TIANXIA_CPU_ISA=none``),
+    set to the instruction set that ``cpu_isa.choose()`` picks."""
+    best = cpu_isa.best_available() if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "none"
+    isa = cpu_isa.choose(best)
+    if isa == "none":
+        why = f"{cpu_isa.ENV}=none" if best != "none" else "this CPU has no AVX2"
+        logger.warning("packed-weight kernels need AVX2 (%s); using the torch fallback", why)
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -68,10 +74,21 @@ def extension():
         )
         if (took := time.perf_counter() - t0) > 5:  # built now, not found in torch's cache
             logger.info("built the CPU kernels in %.0f s (once per machine and torch version)", took)
+        ext.set_cpu_isa(cpu_isa.kernel_level(isa), cpu_isa.avx512_min_rows())
+        logger.info("CPU kernels: %s", describe(ext, isa))
         return ext
     except Exception as e:  # no compiler, no headers: stay correct, just slower
         logger.warning("could not build the packed-weight kernels (%s); using the torch fallback", e)
         return None
+
+
+def describe(ext, isa: str) -> str:
+    """The variant in use, in words (the start-up log and ``tianxia doctor``)."""
+    if ext.cpu_isa() >= cpu_isa.KERNEL_LEVEL["avx512"]:
+        s = (f"AVX-512 VNNI (8-bit-activation products of {ext.avx512_min_rows()}+ rows; "
+             "AVX2 for single rows and the float paths)")
+        return s + (", AMX present but no AMX kernels yet" if isa == "amx" else "")
+    return "AVX2"
 
 
 # the KV cache types that paged_decode and the fused decode step read

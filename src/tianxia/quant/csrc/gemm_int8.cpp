@@ -179,6 +179,17 @@ struct PackedCodes {
   }
 };
 
+// the sums of each 4 products of unsigned bytes u and signed bytes s, in 32-bit lanes: exact
+// either way (maddubs cannot saturate on the codes here, see quad_rows)
+inline __m256i dot4(__m256i u, __m256i s, __m256i ones) {
+#ifdef TIANXIA_VNNI
+  (void)ones;
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+#endif
+}
+
 // acc[q][m]: rows m of the panel against Q quads of weight rows, over all blocks. The four maddubs
 // products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
 // while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
@@ -210,10 +221,10 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
                       a3 = _mm256_abs_epi8(w[3]);
         for (int m = 0; m < MR; ++m) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w[0])), ones);
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w[1])), ones);
-          const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x, w[2])), ones);
-          const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(a3, _mm256_sign_epi8(x, w[3])), ones);
+          const __m256i p0 = dot4(a0, _mm256_sign_epi8(x, w[0]), ones);
+          const __m256i p1 = dot4(a1, _mm256_sign_epi8(x, w[1]), ones);
+          const __m256i p2 = dot4(a2, _mm256_sign_epi8(x, w[2]), ones);
+          const __m256i p3 = dot4(a3, _mm256_sign_epi8(x, w[3]), ones);
           const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
           const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
           const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
@@ -222,6 +233,21 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
         }
         continue;
       }
+#ifdef TIANXIA_VNNI
+      // vpdpbusd: each product's sums of 4 byte pairs in 32 bits in one instruction (no 16-bit
+      // stage to fold or saturate), then the same 4x4 transpose-add; the same exact integers
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
+        const __m256i p0 = dot4(w[0], x, ones), p1 = dot4(w[1], x, ones);
+        const __m256i p2 = dot4(w[2], x, ones), p3 = dot4(w[3], x, ones);
+        const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+        const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+        acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
+        if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
+      }
+      continue;
+#endif
       for (int m = 0; m < MR; ++m) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
         const __m256i p0 = _mm256_maddubs_epi16(w[0], x), p1 = _mm256_maddubs_epi16(w[1], x);
@@ -384,7 +410,15 @@ void product_of(const Packed& w, const Activations& a, const float* bias, float*
 
 }  // namespace
 
+#ifdef TIANXIA_VNNI
+// the AVX-512 VNNI variant (gemm_int8_avx512.cpp compiles this file again under that target)
+void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out) {
+#else
+void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out);
+
 void int8_product(const Packed& w, const Activations& a, const float* bias, float* out) {
+  if (use_avx512(a.M)) return int8_product_avx512(w, a, bias, out);
+#endif
   TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
               "int8_product: 8-bit activation rows of the weight's length");
   if (w.half) {

@@ -193,6 +193,18 @@ void int8_product(const Packed& w, const Activations& a, const float* bias, floa
 // row n of w dequantized into dst[K] as the float path sees it
 void dequant_row(const Packed& w, int64_t n, float* dst);
 
+// ---- run-time instruction-set dispatch (isa.cpp) ----
+//
+// The build carries the AVX2 kernels and, for the integer path, an AVX-512 VNNI variant
+// (gemm_int8_avx512.cpp) with the same operation sequences: both give the same bits, so the
+// choice (per call, by the number of activation rows) changes speed only.
+enum CpuIsa : int { kIsaAvx2 = 0, kIsaAvx512 = 1 };
+int best_cpu_isa();                            // by CPUID
+int set_cpu_isa(int isa, int64_t min_rows);    // clamped to best_cpu_isa(); min_rows < 0 keeps it
+int cpu_isa();
+int64_t avx512_min_rows();
+bool use_avx512(int64_t rows);                 // whether a product of `rows` rows takes AVX-512
+
 // ---- the float32 ops of a decode step, on raw rows ----
 
 // out = rmsnorm(x (+ res)) * (offset + w) over T rows of H; with res, sum_out gets x + res
