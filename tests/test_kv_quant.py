@@ -1,0 +1,185 @@
+"""Q8_0 / Q4_0 KV caches (``--kv-cache-dtype q8_0|q4_0``, llama.cpp's ``-ctk/-ctv``) on CPU: the
+block bytes against the ``gguf`` package's quantizer, the attention kernel over block rows against
+the same values in a float cache, and the real models against their float32 KV cache (greedy
+agreement and logprob error, printed with ``-s``), prefix-cache hits and preemption (bit-identical
+to a miss and to a run alone: each row is quantized on its own), capacity and the CLI's errors.
+
+One engine per KV type and model, shared by the module; short prompts keep it to about a minute.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tianxia import LLM, SamplingParams
+from tianxia.quant.kv_blocks import KV_BLOCK_BYTES, kv_row_bytes, quantize_kv
+
+GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn leaves."]
+N_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _rows() -> torch.Tensor:
+    """K/V-like rows: varied magnitudes, an outlier per row, a zero block, exact ties at .5."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 128, generator=g) * torch.rand(48, 1, generator=g) * 8
+    x[:, 5] *= 20  # attention sinks and outlier channels are what K caches hold
+    x[3, :32] = 0
+    x[4, :32] = torch.arange(32) - 15.5
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_blocks_equal_gguf_and_round_trip_within_the_format_error(fmt):
+    x = _rows()
+    ours = quantize_kv(x, fmt)
+    assert ours.shape == (48, kv_row_bytes(fmt, 128)) and ours.dtype == torch.uint8
+    assert np.array_equal(ours.numpy(), quantize(x.numpy(), GGML[fmt]))  # the same bytes, row by row
+    assert torch.equal(quantize_kv(x[7:8], fmt), ours[7:8])  # a row alone: the same bytes
+    back = torch.from_numpy(dequantize(ours.numpy(), GGML[fmt]))
+    blocks, err = x.reshape(-1, 32), (back - x).reshape(-1, 32).abs()
+    amax = blocks.abs().amax(1, keepdim=True)
+    # half a step (a step: amax/127, or amax/8 for Q4_0, whose top code clips at +7 steps: one
+    # whole step there), plus the float16 rounding of the scale
+    step = amax / 127 if fmt == "q8_0" else amax / 8
+    bound = step * (0.5 if fmt == "q8_0" else 1.0) + amax * 2**-10
+    assert (err <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_paged_attention_reads_blocks_as_their_values(fmt):
+    """The kernel over block rows equals the kernel over a float32 cache holding the dequantized
+    values (float rounding: the widening is exact, the sums are the same)."""
+    from tianxia.quant.cpu_kernels import extension
+
+    ext = extension()
+    g = torch.Generator().manual_seed(1)
+    blocks, bs, hk, hq, d = 6, 16, 2, 6, 64
+    k, v = (torch.randn(blocks, bs, hk, d, generator=g) for _ in range(2))
+    kq, vq = quantize_kv(k, fmt), quantize_kv(v, fmt)
+    deq = [torch.from_numpy(dequantize(t.numpy(), GGML[fmt])).reshape(blocks, bs, hk, d) for t in (kq, vq)]
+    q = torch.randn(3, hq, d, generator=g)
+    tables = torch.tensor([[5, 0, 3], [1, 2, 4], [4, 3, 0]])
+    lens = torch.tensor([40, 17, 9])
+    empty = torch.empty(0, dtype=torch.long)
+    got = ext.paged_decode(q, kq, vq, tables, lens, 0.125, 0, 0.0, empty)
+    want = ext.paged_decode(q, deq[0], deq[1], tables, lens, 0.125, 0, 0.0, empty)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- the real models -----------------------------------------------------------------------------
+
+
+def _quant_llm(path, kv: str, **kw) -> LLM:
+    return LLM(str(path), kv_cache_memory="32MiB", max_model_len=512, seed=0, cpu_activations="float32",
+               kv_cache_dtype=kv, **kw)
+
+
+@pytest.fixture(scope="module")
+def smollm2_q8(smollm2_path):
+    return _quant_llm(smollm2_path, "q8_0")
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4(smollm2_path):
+    return _quant_llm(smollm2_path, "q4_0")
+
+
+def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _compare(ref: LLM, quant: LLM, label: str) -> tuple[float, float]:
+    """(greedy tokens equal to the float KV's before the first divergence / all, the largest
+    |logprob error| of the float run's tokens, teacher-forced); printed with the mean error."""
+    tok = ref.get_tokenizer()
+    agree, worst, errs = 0, 0.0, []
+    for p, want, got in zip(PROMPTS, _tokens(ref), _tokens(quant)):
+        agree += next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), N_TOKENS)
+        ids = tok.encode(p) + want
+        n = len(ids) - len(want) - 1  # the positions that predict the generated tokens
+        lp = [torch.log_softmax(m.engine.score(ids)[n:-1].float(), -1) for m in (ref, quant)]
+        target = torch.tensor(want)[:, None]
+        err = (lp[0].gather(1, target) - lp[1].gather(1, target)).abs()
+        worst, errs = max(worst, err.max().item()), errs + err.flatten().tolist()
+    share = agree / (N_TOKENS * len(PROMPTS))
+    print(f"\n{label}: greedy agreement {share:.2f}, |logprob error| max {worst:.4f} mean {np.mean(errs):.4f}")
+    return share, worst
+
+
+def test_smollm2_quantized_kv_against_float(smollm2_llm, smollm2_q8, smollm2_q4):
+    share8, err8 = _compare(smollm2_llm, smollm2_q8, "SmolLM2 q8_0")
+    share4, err4 = _compare(smollm2_llm, smollm2_q4, "SmolLM2 q4_0")
+    assert share8 >= 0.9 and err8 < 0.25
+    assert share4 >= 0.3 and err4 < 3  # 4-bit K/V: llama.cpp's own warning applies
+
+
+def test_qwen_quantized_kv_against_float(qwen_path, qwen_llm):
+    q8 = _quant_llm(qwen_path, "q8_0")
+    share8, err8 = _compare(qwen_llm, q8, "Qwen2.5-Coder q8_0")
+    assert share8 >= 0.9 and err8 < 0.3
+
+
+def test_prefix_cache_hit_is_bit_identical_to_a_miss(smollm2_q8):
+    prompt = "You are a careful assistant. Answer briefly and precisely. " * 4 + "Name three colors."
+    miss, hit = (smollm2_q8.generate(prompt, GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens >= 48
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    lp = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in (miss, hit)]
+    assert lp[0] == lp[1]
+
+
+def test_preemption_and_batching_keep_the_tokens(smollm2_path, smollm2_q4):
+    """A tiny Q4_0 cache preempts; each request's tokens equal its run alone, exactly."""
+    prompts = PROMPTS + ["Tell me a story about a dragon who learned to paint with fire.", "Hi"]
+    alone = [_tokens(smollm2_q4, [p])[0] for p in prompts]
+    tiny = LLM(str(smollm2_path), num_kv_blocks=6, max_model_len=96, seed=0, cpu_activations="float32",
+               kv_cache_dtype="q4_0")
+    assert _tokens(tiny, prompts) == alone
+    assert tiny.engine.stats()["num_preemptions"] > 0
+
+
+def test_capacity_at_the_same_memory(smollm2_llm, smollm2_q8, smollm2_q4):
+    """32 MiB of Q8_0 holds 128/34 (3.8x) the float32 tokens and 64/34 (1.9x) the float16 ones."""
+    from tianxia.engine.model_runner import kv_bytes_per_token
+
+    cfg = smollm2_llm.engine.model_config
+    f32, f16 = kv_bytes_per_token(cfg, torch.float32), kv_bytes_per_token(cfg, torch.float16)
+    s8, s4 = smollm2_q8.engine.stats(), smollm2_q4.engine.stats()
+    assert s8["kv_cache_bytes_per_token"] * 128 == f32 * KV_BLOCK_BYTES["q8_0"]
+    assert s4["kv_cache_bytes_per_token"] * 128 == f32 * KV_BLOCK_BYTES["q4_0"]
+    per_block = 16
+    f32_tokens = (32 * 2**20 // (f32 * per_block)) * per_block
+    f16_tokens = (32 * 2**20 // (f16 * per_block)) * per_block
+    # the usable blocks leave out one reserved block at most
+    assert s8["kv_cache_capacity_tokens"] >= 1.85 * f16_tokens and s8["kv_cache_capacity_tokens"] >= 3.7 * f32_tokens
+    assert s4["kv_cache_capacity_tokens"] >= 1.85 * s8["kv_cache_capacity_tokens"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-ctk", "q5_9"], "error: -ctk must be one of f32, f16, bf16, q8_0, q4_0; got 'q5_9'"),
+    (["-ctk", "q8_0", "-ctv", "q4_0"], "error: -ctk q8_0 and -ctv q4_0 differ"),
+])
+def test_bad_cache_types_are_one_line_errors(args, message, capsys):
+    from tianxia.cli import main
+
+    assert main(["run", "-m", "smollm2-135m", "-p", "hi", *args]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message)
+
+
+def test_llama_cpp_names_select_the_cache():
+    import argparse
+
+    from tianxia.config import add_quantization_args, kv_cache_dtype_from_args
+
+    parser = argparse.ArgumentParser()
+    add_quantization_args(parser)
+    assert kv_cache_dtype_from_args(parser.parse_args(["-ctk", "q8_0", "-ctv", "q8_0"])) == "q8_0"
+    assert kv_cache_dtype_from_args(parser.parse_args(["-ctk", "f16"])) == "fp16"
+    assert kv_cache_dtype_from_args(parser.parse_args(["--kv-cache-dtype", "q4_0"])) == "q4_0"
