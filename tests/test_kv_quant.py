@@ -148,6 +148,25 @@ def test_preemption_keeps_the_tokens(smollm2_path, smollm2_q4):
     assert tiny.engine.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_fused_decode_step_writes_and_reads_as_the_module_path(fmt, smollm2_q8, smollm2_q4):
+    """The C++ decode step quantizes and attends as quantize_kv + paged_decode do: bit for bit."""
+    llm = smollm2_q8 if fmt == "q8_0" else smollm2_q4
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    before = runner.route_counts["fused"]
+    fused = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert runner.route_counts["fused"] > before
+    step, runner.decode_step = runner.decode_step, None  # every step through the module forward
+    try:
+        plain = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        runner.decode_step = step
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_capacity_at_the_same_memory(smollm2_llm, smollm2_q8, smollm2_q4):
     """32 MiB of Q8_0 holds 128/34 (3.8x) the float32 tokens and 64/34 (1.9x) the float16 ones."""
     from tianxia.engine.model_runner import kv_bytes_per_token
