@@ -12,7 +12,12 @@ import sys
 import time
 
 from tianxia import __version__
-from tianxia.config import add_quantization_args, add_speculative_args, speculative_from_args
+from tianxia.config import (
+    add_quantization_args,
+    add_speculative_args,
+    kv_cache_dtype_from_args,
+    speculative_from_args,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -50,7 +55,7 @@ def _make_llm(args: argparse.Namespace):
         threads=args.threads,
         chat_template=args.chat_template,
         quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype_from_args(args),
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative_config=speculative_from_args(args),

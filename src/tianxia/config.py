@@ -211,7 +211,11 @@ QUANTIZATION_METHODS: dict[str, str] = {
 # --kv-cache-dtype: the KV cache's element type; "auto" is the model dtype
 KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "the model dtype", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+    "q8_0": "CPU: llama.cpp's Q8_0 blocks (32 int8 values and a float16 scale, 34 bytes)",
+    "q4_0": "CPU: llama.cpp's Q4_0 blocks (32 4-bit values and a float16 scale, 18 bytes)",
 }
+# llama.cpp's names for -ctk / -ctv, where they differ from ours
+_LLAMA_CPP_KV_NAMES = {"f16": "fp16"}
 
 # --cpu-activations: how decode steps on CPU multiply activations with packed (quantized) weights
 CPU_ACTIVATIONS: dict[str, str] = {
@@ -254,6 +258,11 @@ def add_quantization_args(parser) -> None:
         help="KV cache element type (default: auto, the model dtype)",
     )
     parser.add_argument(
+        "--cache-type-k", "-ctk", default=None, metavar="TYPE",
+        help="llama.cpp's name for --kv-cache-dtype (f32, f16, bf16, q8_0, q4_0); K and V share one type",
+    )
+    parser.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE", help="as -ctk")
+    parser.add_argument(
         "--cpu-activations", default="int8", choices=list(CPU_ACTIVATIONS),
         help="CPU decode with packed weights: " + "; ".join(f"{k}: {v}" for k, v in CPU_ACTIVATIONS.items()),
     )
@@ -263,6 +272,23 @@ def add_quantization_args(parser) -> None:
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
     )
+
+
+def kv_cache_dtype_from_args(args) -> str:
+    """The KV cache type from ``--kv-cache-dtype`` and llama.cpp's ``-ctk`` / ``-ctv``."""
+    given = {}
+    for flag, value in (("-ctk", args.cache_type_k), ("-ctv", args.cache_type_v)):
+        if value is not None:
+            name = _LLAMA_CPP_KV_NAMES.get(value.lower(), value.lower())
+            if name not in KV_CACHE_DTYPES or name == "auto":
+                raise ValueError(f"{flag} must be one of f32, f16, bf16, q8_0, q4_0; got {value!r}")
+            given[flag] = name
+    if len(set(given.values())) > 1:
+        raise ValueError(f"-ctk {given['-ctk']} and -ctv {given['-ctv']} differ: tianxia keeps K and V in one "
+                         "type; give the same type to both")
+    if given and args.kv_cache_dtype != "auto" and args.kv_cache_dtype not in given.values():
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} and -ctk/-ctv {next(iter(given.values()))} differ")
+    return next(iter(given.values()), args.kv_cache_dtype)
 
 
 # llama.cpp's default --draft-max

@@ -15,6 +15,7 @@ from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
 from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_per_token
+from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
@@ -72,9 +73,21 @@ def rss_bytes() -> int:
         return 0
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
+                           device: torch.device | None = None) -> torch.dtype | str:
+    """The cache's torch dtype, or the name of a block format (``"q8_0"``, ``"q4_0"``: CPU only)."""
+    if kv_cache_dtype in KV_BLOCK_BYTES:
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is a CPU cache format; on a GPU use auto, "
+                             "bf16, fp16 or f32")
+        return kv_cache_dtype
     table = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return model_dtype if kv_cache_dtype == "auto" else table[kv_cache_dtype]
+
+
+def kv_type_name(kv_dtype: torch.dtype | str) -> str:
+    """``q8_0``, ``float32``, ...: the KV cache type for logs and metrics."""
+    return kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).removeprefix("torch.")
 
 
 # --- GPU memory planning ----------------------------------------------------------------------------
@@ -209,7 +222,7 @@ class LLMEngine:
         backend = get_backend(self.device)
         loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
                             quantization=config.quantization)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
         if self.device.type == "cpu":  # float products that do not depend on the batch
@@ -271,9 +284,9 @@ class LLMEngine:
         if config.speculative is not None:
             self.speculator = self._make_speculator(config.speculative, loaded)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
+            "KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
             "max concurrency at max_model_len=%d: %.1f",
-            self.runner.num_blocks, config.cache.block_size, capacity,
+            kv_type_name(self.kv_dtype), self.runner.num_blocks, config.cache.block_size, capacity,
             self.runner.kv_cache_bytes / 2**30, kv_bytes_per_token(loaded.config, self.kv_dtype),
             max_len, capacity / longest,
         )
@@ -631,6 +644,9 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            # what --kv-cache-dtype buys at --kv-cache-memory
+            "kv_cache_bytes_per_token": kv_bytes_per_token(self.model_config, self.kv_dtype),
+            "kv_cache_capacity_tokens": bm.num_usable_blocks * bm.block_size,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **(self.speculator.stats() if self.speculator is not None else {}),

@@ -25,6 +25,7 @@ from tianxia.engine import faults
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.sampler import Sampler, SamplingBatch
+from tianxia.quant.kv_blocks import kv_row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class StepResult:
     accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
+    """K and V bytes of one token over all layers; ``dtype`` a torch dtype or a block format name."""
+    if isinstance(dtype, str):
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * kv_row_bytes(dtype, config.head_dim)
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * _DTYPE_BYTES[dtype]
 
 
@@ -71,7 +75,7 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         device: torch.device,
-        kv_dtype: torch.dtype,
+        kv_dtype: torch.dtype | str,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -80,11 +84,13 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         per_block = kv_bytes_per_token(model_config, kv_dtype) * self.block_size
         self.num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_memory // per_block)
+        # a block format (q8_0, q4_0) keeps each head's row as uint8 blocks (quant/kv_blocks.py)
+        blocks = isinstance(kv_dtype, str)
         shape = (
-            model_config.num_hidden_layers, 2, self.num_blocks, self.block_size,
-            model_config.num_key_value_heads, model_config.head_dim,
+            model_config.num_hidden_layers, 2, self.num_blocks, self.block_size, model_config.num_key_value_heads,
+            kv_row_bytes(kv_dtype, model_config.head_dim) if blocks else model_config.head_dim,
         )
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if blocks else kv_dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
         self.eos_ids: tuple[int, ...] = model_config.eos_token_ids

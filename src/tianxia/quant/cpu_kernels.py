@@ -91,8 +91,9 @@ def describe(ext, isa: str) -> str:
     return "AVX2"
 
 
-# the KV cache types that paged_decode and the fused decode step read
-CACHE_DTYPES = (torch.float32, torch.float16)
+# the KV cache types that paged_decode and the fused decode step read; uint8: Q8_0/Q4_0 block rows
+# (quant/kv_blocks.py)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.uint8)
 
 
 def fused_ops(t: torch.Tensor):

@@ -23,6 +23,7 @@ from tianxia.config import (
     SchedulerConfig,
     add_quantization_args,
     add_speculative_args,
+    kv_cache_dtype_from_args,
     parse_size,
     speculative_from_args,
 )
@@ -349,7 +350,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         ),
         enforce_eager=getattr(args, "enforce_eager", False),
         quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype_from_args(args),
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),

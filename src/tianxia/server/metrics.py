@@ -188,6 +188,12 @@ class _EngineCollector(Collector):
         yield self._family(counter, "vllm:num_preemptions",
                            "Cumulative number of preemptions from the engine.",
                            per_model("num_preemptions"))
+        yield self._family(gauge, "tianxia:kv_cache_bytes_per_token",
+                           "KV cache bytes per token over all layers (K and V, --kv-cache-dtype).",
+                           per_model("kv_cache_bytes_per_token"))
+        yield self._family(gauge, "tianxia:kv_cache_capacity_tokens",
+                           "Tokens the KV cache holds (its usable blocks x block size).",
+                           per_model("kv_cache_capacity_tokens"))
         yield from self._spec_decode(stats)
         yield self._family(gauge, "tianxia:step_num_seqs_max",
                            "Most sequences that ran together in one engine step since start.",

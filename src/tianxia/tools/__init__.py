@@ -26,11 +26,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
+    from tianxia.config import kv_cache_dtype_from_args
     from tianxia.tools.perplexity import run_perplexity
 
     result = run_perplexity(
         args.model, args.file, ctx=args.ctx_size, chunks=args.chunks, batch=args.batch_size,
         threads=args.threads, dtype=args.dtype, progress=not args.quiet,
+        kv_cache_dtype=kv_cache_dtype_from_args(args),
     )
     print(result.summary(), file=sys.stdout)
     return 0
@@ -61,5 +63,9 @@ def add_tool_parsers(sub) -> None:
     ppl.add_argument("--chunks", type=int, default=-1, help="at most this many chunks (-1: all)")
     ppl.add_argument("-t", "--threads", type=int, default=None)
     ppl.add_argument("--dtype", default="float32")
+    ppl.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "f32", "bf16", "fp16", "q8_0", "q4_0"),
+                     help="KV cache type (as llama-perplexity -ctk/-ctv)")
+    ppl.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE", help="f32, f16, bf16, q8_0, q4_0")
+    ppl.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE", help="as -ctk")
     ppl.add_argument("-q", "--quiet", action="store_true", help="no per-chunk output")
     ppl.set_defaults(func=cmd_perplexity)

@@ -1,6 +1,6 @@
 """Paged attention on CPU, and in plain PyTorch (``scaled_dot_product_attention``) on any device.
 
-On CPU with the kernels built and a float32 or float16 cache, every query token of the step (the
+On CPU with the kernels built and a float32, float16 or Q8_0/Q4_0 (``quant/kv_blocks.py``) cache, every query token of the step (the
 decodes and each prompt chunk's tokens) goes through one paged-attention call over the cache,
 one position at a time: a query's result then depends on its position and the cached K/V alone,
 so a token's attention is the same in a prompt, in a chunk of it, after a prefix-cache hit and
@@ -17,14 +17,19 @@ import torch.nn.functional as F
 
 from tianxia.layers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
 from tianxia.quant.cpu_kernels import CACHE_DTYPES, fused_ops
+from tianxia.quant.kv_blocks import kv_row_bytes, quantize_kv
 
 _NONE = torch.empty(0, dtype=torch.long)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+    if kv_cache.dtype == torch.uint8:  # Q8_0/Q4_0 block rows, each K/V head row quantized alone
+        fmt = "q8_0" if kv_cache.shape[-1] == kv_row_bytes("q8_0", head_dim) else "q4_0"
+        k, v = quantize_kv(k, fmt), quantize_kv(v, fmt)
+    row = kv_cache.shape[-1]
+    kv_cache[0].view(-1, num_kv_heads, row).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, row).index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 def _query_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +82,8 @@ class TorchAttention(AttentionBackend):
         window = sliding_window
         nd = meta.num_decodes
         ext = fused_ops(q) if k_cache.dtype in CACHE_DTYPES else None
+        if k_cache.dtype == torch.uint8 and ext is None:
+            raise RuntimeError("a Q8_0/Q4_0 KV cache is read by the CPU kernels alone (float32, no autograd)")
         if ext is not None:
             # every query through the one-position kernel, reading K/V straight from their blocks
             if nd == meta.num_seqs:

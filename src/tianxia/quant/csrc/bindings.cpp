@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "kv_blocks.h"
 
 using namespace tianxia;
 
@@ -110,13 +111,25 @@ torch::Tensor gated_act(torch::Tensor x, bool gelu) {
 // attention of query tokens over their paged K/V (float32 or float16 caches [blocks, bs, Hk, D]):
 // seq_lens[b] is query b's context length (its position + 1) and seq_of[b] its row of
 // block_tables (empty: row b); the decodes of a step and every token of its prompts, one call
+// a uint8 cache holds Q8_0 or Q4_0 block rows (kv_blocks.h), told apart by their size
+char kv_block_format(const torch::Tensor& cache, int64_t D) {
+  if (cache.scalar_type() != torch::kUInt8) return 0;
+  TORCH_CHECK(D % 32 == 0, "Q8_0/Q4_0 KV caches need a head size that is a multiple of 32");
+  const int64_t rb = cache.size(-1);
+  TORCH_CHECK(rb == kv_row_stride<KvQ8_0>(D) || rb == kv_row_stride<KvQ4_0>(D),
+              "a uint8 KV cache must hold Q8_0 or Q4_0 rows of the head size");
+  return rb == kv_row_stride<KvQ8_0>(D) ? 8 : 4;
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            int64_t window, double softcap, torch::Tensor seq_of) {
-  const bool half = k_cache.scalar_type() == torch::kHalf;
-  TORCH_CHECK((half || k_cache.scalar_type() == torch::kFloat32) && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode needs contiguous float32 or float16 caches");
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK((type == torch::kHalf || type == torch::kFloat32 || type == torch::kUInt8) &&
+                  v_cache.scalar_type() == type && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "paged_decode needs contiguous float32, float16 or Q8_0/Q4_0 (uint8) caches");
+  const char blocks = kv_block_format(k_cache, q.size(2));
   q = q.to(torch::kFloat32).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
@@ -139,12 +152,37 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                       seq_of.numel() > 0 ? seq_of.data_ptr<int64_t>() : nullptr, B, Hq, k_cache.size(2), D,
                       k_cache.size(1), (float)scale, window, (float)softcap);
   };
-  if (half) {
+  if (blocks == 8) {
+    run(reinterpret_cast<const KvQ8_0*>(k_cache.data_ptr<uint8_t>()),
+        reinterpret_cast<const KvQ8_0*>(v_cache.data_ptr<uint8_t>()));
+  } else if (blocks == 4) {
+    run(reinterpret_cast<const KvQ4_0*>(k_cache.data_ptr<uint8_t>()),
+        reinterpret_cast<const KvQ4_0*>(v_cache.data_ptr<uint8_t>()));
+  } else if (type == torch::kHalf) {
     run(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::Half>()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::Half>()));
   } else {
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   }
+  return out;
+}
+
+// float32 rows [R, D] as Q8_0 (bits 8) or Q4_0 (bits 4) block rows [R, bytes], each row on its own
+torch::Tensor quantize_kv(torch::Tensor x, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 && (bits == 8 || bits == 4),
+              "quantize_kv: x [R, D] with D a multiple of 32, bits 8 (Q8_0) or 4 (Q4_0)");
+  x = x.to(torch::kFloat32).contiguous();
+  const int64_t R = x.size(0), D = x.size(1);
+  const int64_t rb = bits == 8 ? kv_row_stride<KvQ8_0>(D) : kv_row_stride<KvQ4_0>(D);
+  auto out = torch::empty({R, rb}, x.options().dtype(torch::kUInt8));
+  const float* src = x.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bits == 8) kv_store_row(src + r * D, reinterpret_cast<KvQ8_0*>(dst + r * rb), D);
+      else kv_store_row(src + r * D, reinterpret_cast<KvQ4_0*>(dst + r * rb), D);
+    }
+  });
   return out;
 }
 
@@ -164,5 +202,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "min_rows rows (min_rows < 0: unchanged); returns the variant in use");
   m.def("cpu_isa", &cpu_isa, "the kernel variant in use");
   m.def("avx512_min_rows", &avx512_min_rows, "the fewest rows that take the AVX-512 variant");
+  m.def("quantize_kv", &quantize_kv, release, "float32 rows as Q8_0 or Q4_0 KV cache rows");
   bind_decoder(m);
 }

@@ -5,12 +5,13 @@
 // It covers what models/llama.py's module path computes for the families it supports (q/k/v
 // bias, q/k norms, sandwich norms, Gemma's offset norms, SiLU or tanh-GELU gating, partial and
 // interleaved RoPE, sliding windows, attention soft-capping), for steps of single-token
-// decodes with a float32 or float16 cache; anything else takes the module path.
+// decodes with a float32, float16 or Q8_0/Q4_0 cache; anything else takes the module path.
 #include <torch/extension.h>
 
 #include <cstring>
 
 #include "kernels.h"
+#include "kv_blocks.h"
 
 namespace tianxia {
 namespace {
@@ -58,10 +59,14 @@ class Decoder {
   void add_layer(std::vector<at::Tensor> linears, std::vector<int64_t> formats, std::vector<at::Tensor> norms,
                  at::Tensor kv_cache, int64_t rope, int64_t window) {
     TORCH_CHECK(norms.size() == kNumNorms, "bad layer");
-    TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf) &&
+    const auto type = kv_cache.scalar_type();
+    const int64_t row = type == at::kByte ? kv_cache.size(4) : D_;  // Q8_0/Q4_0 rows: their bytes
+    TORCH_CHECK((type == at::kFloat || type == at::kHalf ||
+                 (type == at::kByte && D_ % 32 == 0 &&
+                  (row == kv_row_stride<KvQ8_0>(D_) || row == kv_row_stride<KvQ4_0>(D_)))) &&
                     kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == Hk_ &&
-                    kv_cache.size(4) == D_,
-                "the fused decoder needs a float32 or float16 cache [2, blocks, block_size, Hk, D]");
+                    kv_cache.size(4) == row,
+                "the fused decoder needs a float32, float16 or Q8_0/Q4_0 cache [2, blocks, block_size, Hk, row]");
     Layer l;
     Linear* lin[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     const int64_t shapes[4][2] = {{(Hq_ + 2 * Hk_) * D_, H_}, {H_, Hq_ * D_}, {2 * I_, H_}, {H_, I_}};
@@ -155,7 +160,13 @@ class Decoder {
       const at::Tensor& table = rope_tables.at(L.rope);
       rope_rows(qkv_.data(), QKV, Hq_, qkv_.data() + Qs, QKV, Hk_, D_, pos, M, table.data_ptr<float>(),
                 table.size(1), interleaved_);
-      if (L.k_cache.scalar_type() == at::kHalf) {
+      if (L.k_cache.scalar_type() == at::kByte && L.k_cache.size(3) == kv_row_stride<KvQ8_0>(D_)) {
+        cache_and_attend(reinterpret_cast<KvQ8_0*>(L.k_cache.data_ptr<uint8_t>()),
+                         reinterpret_cast<KvQ8_0*>(L.v_cache.data_ptr<uint8_t>()), L, slot, block_tables, seq_lens, M);
+      } else if (L.k_cache.scalar_type() == at::kByte) {
+        cache_and_attend(reinterpret_cast<KvQ4_0*>(L.k_cache.data_ptr<uint8_t>()),
+                         reinterpret_cast<KvQ4_0*>(L.v_cache.data_ptr<uint8_t>()), L, slot, block_tables, seq_lens, M);
+      } else if (L.k_cache.scalar_type() == at::kHalf) {
         cache_and_attend(reinterpret_cast<uint16_t*>(L.k_cache.data_ptr<at::Half>()),
                          reinterpret_cast<uint16_t*>(L.v_cache.data_ptr<at::Half>()), L, slot, block_tables,
                          seq_lens, M);
@@ -184,24 +195,16 @@ class Decoder {
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
  private:
-  // a K or V row into a float32 or (rounded to nearest even) float16 cache
-  static void store_row(const float* x, float* out, int64_t n) { std::memcpy(out, x, sizeof(float) * n); }
-  static void store_row(const float* x, uint16_t* out, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
-  }
-
   // the step's K/V rows (in qkv_) into the layer's cache, then attention over it into attn_
   template <typename T>
   void cache_and_attend(T* kc, T* vc, const Layer& L, const int64_t* slot, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, int64_t M) {
-    const int64_t Qs = Hq_ * D_, KVs = Hk_ * D_, QKV = Qs + 2 * KVs;
+    const int64_t Qs = Hq_ * D_, KVs = Hk_ * D_, QKV = Qs + 2 * KVs, row = Hk_ * kv_row_stride<T>(D_);
+    // a token's Hk head rows at once: blocks of 32 never straddle two heads (D % 32 == 0), so the
+    // bytes are those of quantize_kv on each head's row
     for (int64_t t = 0; t < M; ++t) {
-      store_row(qkv_.data() + t * QKV + Qs, kc + slot[t] * KVs, KVs);
-      store_row(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * KVs, KVs);
+      kv_store_row(qkv_.data() + t * QKV + Qs, kc + slot[t] * row, KVs);
+      kv_store_row(qkv_.data() + t * QKV + Qs + KVs, vc + slot[t] * row, KVs);
     }
     paged_decode_rows(qkv_.data(), QKV, attn_.data(), Qs, kc, vc, block_tables.data_ptr<int64_t>(),
                       block_tables.size(1), seq_lens.data_ptr<int64_t>(), nullptr, M, Hq_, Hk_, D_, L.k_cache.size(1), scale_,

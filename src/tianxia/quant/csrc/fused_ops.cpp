@@ -3,6 +3,7 @@
 // decode step (decoder.cpp) share them, and each row's result depends on that row alone (a
 // query's attention: on its position and the cached K/V), so prompts and decode steps agree.
 #include "kernels.h"
+#include "kv_blocks.h"
 
 #include <atomic>
 
@@ -94,7 +95,8 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-// one (sequence, KV head): its rep query heads over n cached tokens (float32 or float16 rows T);
+// one (sequence, KV head): its rep query heads over n cached tokens (float32, float16 or Q8_0/Q4_0
+// block rows T, widened in registers: kv_blocks.h);
 // ND = D / 8 when the head size is 64 or 128 (the accumulators then stay in registers), 0 for any
 // other size
 template <int ND, typename T>
@@ -111,12 +113,12 @@ void attend_kv_head(const float* q, float* out, const T* const* k, const T* cons
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8) {
           const __m256 qc = _mm256_loadu_ps(qr + c);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(load8(k[t + i] + c), qc, acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(kv_load8(k[t + i], c), qc, acc[i]);
         }
         _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
       }
     }
-    for (; t < n; ++t) sr[t] = dot_mixed(k[t], qr, D) * scale;
+    for (; t < n; ++t) sr[t] = kv_dot(k[t], qr, D) * scale;
     if (softcap > 0)
       for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
     float mx = -INFINITY;
@@ -138,13 +140,13 @@ void attend_kv_head(const float* q, float* out, const T* const* k, const T* cons
       for (int c = 0; c < ND; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t t2 = 0; t2 < n; ++t2) {
         const __m256 p = _mm256_set1_ps(sr[t2]);
-        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, load8(v[t2] + 8 * c), acc[c]);
+        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, kv_load8(v[t2], 8 * c), acc[c]);
       }
       for (int c = 0; c < ND; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
     } else {
       std::fill(o, o + D, 0.f);
       for (int64_t t2 = 0; t2 < n; ++t2)
-        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * to_float(v[t2][d]);
+        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * kv_elem(v[t2], d);
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
@@ -157,7 +159,7 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
                        const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, const int64_t* seq_of,
                        int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
                        float softcap) {
-  const int64_t rep = Hq / Hk, bs = block_size, items = B * Hk;
+  const int64_t rep = Hq / Hk, bs = block_size, items = B * Hk, stride = kv_row_stride<T>(D);
   const auto attend = D == 64 ? attend_kv_head<8, T> : D == 128 ? attend_kv_head<16, T> : attend_kv_head<0, T>;
   // (query, KV head) pairs from an atomic counter, a few at a time: the queries of a prompt cost
   // in proportion to their positions, and a static split would give one thread the long ones
@@ -176,8 +178,8 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
         v.resize(n);
         for (int64_t t = start; t < len; ++t) {  // the rows of the paged cache, in token order
           const int64_t row = (bt[t / bs] * bs + t % bs) * Hk + hk;
-          k[t - start] = k_cache + row * D;
-          v[t - start] = v_cache + row * D;
+          k[t - start] = k_cache + row * stride;
+          v[t - start] = v_cache + row * stride;
         }
         attend(q + b * sq + hk * rep * D, out + b * so + hk * rep * D, k.data(), v.data(), n, rep, D, scale, softcap,
                scores);
@@ -192,5 +194,12 @@ template void paged_decode_rows<float>(const float*, int64_t, float*, int64_t, c
 template void paged_decode_rows<uint16_t>(const float*, int64_t, float*, int64_t, const uint16_t*, const uint16_t*,
                                           const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
                                           int64_t, int64_t, int64_t, float, int64_t, float);
+
+template void paged_decode_rows<KvQ8_0>(const float*, int64_t, float*, int64_t, const KvQ8_0*, const KvQ8_0*,
+                                        const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, float, int64_t, float);
+template void paged_decode_rows<KvQ4_0>(const float*, int64_t, float*, int64_t, const KvQ4_0*, const KvQ4_0*,
+                                        const int64_t*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, float, int64_t, float);
 
 }  // namespace tianxia
