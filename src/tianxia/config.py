@@ -253,15 +253,7 @@ def add_quantization_args(parser) -> None:
         "--quantization", "-q", default="auto", choices=list(QUANTIZATION_METHODS),
         help="weights at load: " + "; ".join(f"{k}: {v}" for k, v in QUANTIZATION_METHODS.items()),
     )
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-        help="KV cache element type (default: auto, the model dtype)",
-    )
-    parser.add_argument(
-        "--cache-type-k", "-ctk", default=None, metavar="TYPE",
-        help="llama.cpp's name for --kv-cache-dtype (f32, f16, bf16, q8_0, q4_0); K and V share one type",
-    )
-    parser.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE", help="as -ctk")
+    add_kv_cache_args(parser)
     parser.add_argument(
         "--cpu-activations", default="int8", choices=list(CPU_ACTIVATIONS),
         help="CPU decode with packed weights: " + "; ".join(f"{k}: {v}" for k, v in CPU_ACTIVATIONS.items()),
@@ -272,6 +264,19 @@ def add_quantization_args(parser) -> None:
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
     )
+
+
+def add_kv_cache_args(parser) -> None:
+    """``--kv-cache-dtype`` and llama.cpp's ``-ctk`` / ``-ctv`` (read by :func:`kv_cache_dtype_from_args`)."""
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="KV cache element type (default: auto, the model dtype)",
+    )
+    parser.add_argument(
+        "--cache-type-k", "-ctk", default=None, metavar="TYPE",
+        help="llama.cpp's name for --kv-cache-dtype (f32, f16, bf16, q8_0, q4_0); K and V share one type",
+    )
+    parser.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE", help="as -ctk")
 
 
 def kv_cache_dtype_from_args(args) -> str:

@@ -63,9 +63,8 @@ class StepResult:
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
     """K and V bytes of one token over all layers; ``dtype`` a torch dtype or a block format name."""
-    if isinstance(dtype, str):
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * kv_row_bytes(dtype, config.head_dim)
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * _DTYPE_BYTES[dtype]
+    row = kv_row_bytes(dtype, config.head_dim) if isinstance(dtype, str) else config.head_dim * _DTYPE_BYTES[dtype]
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * row
 
 
 class ModelRunner:

@@ -39,6 +39,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 
 def add_tool_parsers(sub) -> None:
+    from tianxia.config import add_kv_cache_args
+
     conv = sub.add_parser("convert", help="convert a Hugging Face model directory to GGUF")
     conv.add_argument("model_dir")
     conv.add_argument("outfile")
@@ -63,9 +65,6 @@ def add_tool_parsers(sub) -> None:
     ppl.add_argument("--chunks", type=int, default=-1, help="at most this many chunks (-1: all)")
     ppl.add_argument("-t", "--threads", type=int, default=None)
     ppl.add_argument("--dtype", default="float32")
-    ppl.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "f32", "bf16", "fp16", "q8_0", "q4_0"),
-                     help="KV cache type (as llama-perplexity -ctk/-ctv)")
-    ppl.add_argument("--cache-type-k", "-ctk", default=None, metavar="TYPE", help="f32, f16, bf16, q8_0, q4_0")
-    ppl.add_argument("--cache-type-v", "-ctv", default=None, metavar="TYPE", help="as -ctk")
+    add_kv_cache_args(ppl)
     ppl.add_argument("-q", "--quiet", action="store_true", help="no per-chunk output")
     ppl.set_defaults(func=cmd_perplexity)

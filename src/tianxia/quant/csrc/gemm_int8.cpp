@@ -190,6 +190,13 @@ inline __m256i dot4(__m256i u, __m256i s, __m256i ones) {
 #endif
 }
 
+// a 4x4 transpose-add of four products' 32-bit sums: lane j of the result sums p_j's lanes there
+inline __m256i sum4x4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+  const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+}
+
 // acc[q][m]: rows m of the panel against Q quads of weight rows, over all blocks. The four maddubs
 // products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
 // while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
@@ -225,9 +232,7 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
           const __m256i p1 = dot4(a1, _mm256_sign_epi8(x, w[1]), ones);
           const __m256i p2 = dot4(a2, _mm256_sign_epi8(x, w[2]), ones);
           const __m256i p3 = dot4(a3, _mm256_sign_epi8(x, w[3]), ones);
-          const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-          const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-          const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+          const __m256i h = sum4x4(p0, p1, p2, p3);
           acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
           if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
         }
@@ -240,9 +245,7 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + m * 32));
         const __m256i p0 = dot4(w[0], x, ones), p1 = dot4(w[1], x, ones);
         const __m256i p2 = dot4(w[2], x, ones), p3 = dot4(w[3], x, ones);
-        const __m256i e = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
-        const __m256i o = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
-        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
+        const __m256i h = sum4x4(p0, p1, p2, p3);
         acc[q][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sv, _mm256_set1_ps(d[m])), acc[q][m]);
         if constexpr (MINS) acc[q][m] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(d + MR + 8 * m), acc[q][m]);
       }
