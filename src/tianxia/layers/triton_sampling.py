@@ -32,8 +32,7 @@ _PASSES = 8  # 16**8 = 2**32 narrowing: past float32's spacing for any logit ran
 # passes over the whole row; a pass over 256 rows x 152k logits costs ~150 us on an H200 (bound by
 # the 16 compare-and-add per logit), while after two the interval holds ~1/256 of the value range
 _FULL_PASSES = 2
-# slots per chunk for the logits left inside the interval (flat Gaussian logits leave ~15 of 4096);
-# the last passes hold them all in registers, [chunks, slots] per row
+# slots per chunk for the logits left inside the interval (flat Gaussian logits leave ~15 of 4096)
 _SLOTS = 128
 # Each row is cut into chunks of a fixed size, one program each, so that a pass over 256 rows of a
 # 152k vocabulary runs as ~10k programs instead of 256 long ones; the size does not depend on the
@@ -211,9 +210,8 @@ def _finish_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr
                    lohi_in, slots_ptr, count_ptr, above_ptr, out_ptr, V, C,
                    MASS: tl.constexpr, HAS_LO0: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
                    NCAND: tl.constexpr, CPAD: tl.constexpr, SLOTS: tl.constexpr):
-    """The remaining passes of one row, in one program: over its copied logits, held in registers
-    (plus the weight above the interval), or over the whole row where a chunk had more than its
-    slots hold."""
+    """The remaining passes of one row, in one program: over its copied logits (plus the weight
+    above the interval), or over the whole row where a chunk had more than its slots hold."""
     row = tl.program_id(0)
     m, thr, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
                                         MASS, HAS_LO0, CPAD)
@@ -223,8 +221,8 @@ def _finish_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr
         cc = tl.arange(0, CPAD)
         counts = tl.load(count_ptr + row * C + cc, mask=cc < C, other=0)
         j = tl.arange(0, NCAND)
+        offs = tl.arange(0, BLOCK)
         if tl.max(counts, axis=0) > SLOTS:
-            offs = tl.arange(0, BLOCK)
             base = logits_ptr + row.to(tl.int64) * stride
             for _ in range(PASSES):
                 cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
@@ -235,18 +233,17 @@ def _finish_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr
                 lo, hi = _step(lo, hi, tl.sum(acc2, axis=1), target, NCAND)
         else:
             above = tl.sum(tl.load(above_ptr + row * C + cc, mask=cc < C, other=0.0), axis=0)
-            s = tl.arange(0, SLOTS)
-            x = tl.load(slots_ptr + (row * C + cc[:, None]).to(tl.int64) * SLOTS + s[None, :],
-                        mask=(cc[:, None] < C) & (s[None, :] < counts[:, None]), other=float("-inf"))
-            w = _weight(x, m, MASS)
+            slots = slots_ptr + row.to(tl.int64) * C * SLOTS
             for _ in range(PASSES):
                 cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
-                acc = tl.zeros([NCAND], dtype=tl.float32)
-                for jj in tl.static_range(NCAND):
-                    cand = tl.sum(tl.where(j == jj, cands, 0.0), axis=0)
-                    weight = tl.sum(tl.sum(tl.where(x >= cand, w, 0.0), axis=1), axis=0)
-                    acc = tl.where(j == jj, weight, acc)
-                lo, hi = _step(lo, hi, above + acc, target, NCAND)
+                acc2 = tl.zeros([NCAND, BLOCK], dtype=tl.float32)
+                # the row's slots as one flat array, a chunk's valid ones first in its SLOTS
+                for start in range(0, C * SLOTS, BLOCK):
+                    at = start + offs
+                    n = tl.load(count_ptr + row * C + at // SLOTS, mask=at < C * SLOTS, other=0)
+                    x = tl.load(slots + at, mask=(at < C * SLOTS) & (at % SLOTS < n), other=float("-inf"))
+                    acc2 += tl.where(x[None, :] >= cands[:, None], _weight(x, m, MASS)[None, :], 0.0)
+                lo, hi = _step(lo, hi, above + tl.sum(acc2, axis=1), target, NCAND)
         thr = lo
     tl.store(out_ptr + row, thr)
 
@@ -283,7 +280,7 @@ def _search(logits: torch.Tensor, cmax: torch.Tensor, cmin: torch.Tensor, lo0: t
                             **flags)
     out = torch.empty(S, dtype=torch.float32, device=dev)
     _finish_kernel[(S,)](logits, logits.stride(0), *row_args, lohi[1 - last], slots, count, above, out, V, C,
-                         PASSES=_PASSES - _FULL_PASSES, BLOCK=_BLOCK, SLOTS=_SLOTS, num_warps=8, **flags)
+                         PASSES=_PASSES - _FULL_PASSES, BLOCK=512, SLOTS=_SLOTS, num_warps=4, **flags)
     return out
 
 
