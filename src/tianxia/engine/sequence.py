@@ -35,7 +35,7 @@ class Sequence:
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
         "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
-        "spec_acceptance", "spec_backoff",
+        "spec_acceptance", "spec_backoff", "spec_strikes", "ngram_index",
     )
 
     def __init__(
@@ -91,9 +91,12 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.draft_probs = None
         self.draft_num_computed = 0
-        # a running average of the fraction of proposals accepted, and steps left without any
+        # a running average of the fraction of proposals accepted, steps left without any, and
+        # how many pauses in a row it has earned (each twice as long as the last)
         self.spec_acceptance = 1.0
         self.spec_backoff = 0
+        self.spec_strikes = 0
+        self.ngram_index = None  # the prompt lookup's n-gram positions of this sequence
 
     def fork(self, index: int) -> Sequence:
         """A sibling for parallel sampling: same tokens and blocks (the caller adds block refs)."""
