@@ -32,7 +32,7 @@ import zmq
 from tianxia.config import EngineConfig
 from tianxia.engine import async_engine as ae
 from tianxia.engine import core_messages as msgs
-from tianxia.engine.async_engine import EngineClient, EngineDeadError, StatsListener
+from tianxia.engine.async_engine import EngineClient, EngineDeadError
 from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import PromptType
 from tianxia.sampling_params import SamplingParams
@@ -64,7 +64,6 @@ class CoreState:
     prefixes: OrderedDict = dataclasses.field(default_factory=OrderedDict)  # block key -> None
     routed: int = 0  # requests sent here
     routed_by_prefix: int = 0  # ... because this core held their prefix
-    listener: StatsListener = dataclasses.field(default_factory=StatsListener)
 
 
 def _core_config(config: EngineConfig, index: int, size: int) -> EngineConfig:
@@ -150,6 +149,8 @@ class EngineCoreClient(EngineClient):
             self._kill_all()
             raise
         self.info = EngineInfo.from_facts(facts[0], config)
+        for core in self.cores:
+            logger.info("engine core %d: process %d", core.index, core.proc.pid)
 
     # --- start-up and shutdown ----------------------------------------------------------------
 
@@ -233,6 +234,11 @@ class EngineCoreClient(EngineClient):
         snap = dict(core.snapshot)
         snap["num_waiting"] = snap.get("num_waiting", 0) + core.pending_adds
         return snap
+
+    def per_core(self) -> list[dict[str, float]]:
+        """Each core's statistics and routing counts, by index."""
+        return [{**self.core_stats(core), "routed": core.routed,
+                 "routed_by_prefix": core.routed_by_prefix} for core in self.cores]
 
     @property
     def max_step_seqs(self) -> int:
@@ -366,15 +372,15 @@ class EngineCoreClient(EngineClient):
             if isinstance(item, BaseException) or item.finished:
                 self._forget(rid)
         self._deliver(batch)
-        for listener in (self.listener, core.listener):
-            for step in m.steps:
-                listener.on_step(step)
-            for ttft in m.first_tokens:
-                listener.on_first_token(ttft)
-            for latency, n in m.inter_tokens:
-                listener.on_inter_token(latency, n)
-            for done in m.done:
-                listener.on_request_done(done)
+        listener = self.listener
+        for step in m.steps:
+            listener.on_step(step)
+        for ttft in m.first_tokens:
+            listener.on_first_token(ttft)
+        for latency, n in m.inter_tokens:
+            listener.on_inter_token(latency, n)
+        for done in m.done:
+            listener.on_request_done(done)
 
     def _forget(self, rid: str) -> None:
         core = self._owner.pop(rid, None)

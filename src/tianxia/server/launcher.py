@@ -488,6 +488,8 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
         async_engine.info.cache_info(),
     )
     async_engine.listener = metrics
+    if args.data_parallel_size > 1:
+        metrics.add_engine_cores(names[0], async_engine.per_core)
     state.metrics = metrics
     servings = build_servings(
         async_engine,
