@@ -146,7 +146,7 @@ class EngineCoreClient(EngineClient):
                 self.cores.append(CoreState(i, proc, inp, out))
             facts = [self._wait_ready(core) for core in self.cores]
         except BaseException:
-            self._kill_all()
+            self._kill_all(grace=5.0)  # a core that failed to load is exiting on its own
             raise
         self.info = EngineInfo.from_facts(facts[0], config)
         for core in self.cores:
@@ -193,14 +193,17 @@ class EngineCoreClient(EngineClient):
             await loop.run_in_executor(None, core.proc.join, max(0.0, deadline - time.monotonic()))
         self._kill_all()
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, grace: float = 0.0) -> None:
+        deadline = time.monotonic() + grace
         for core in self.cores:
+            core.proc.join(max(0.0, deadline - time.monotonic()))
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(core.proc.sentinel)
                 if not core.out.closed:
                     self._loop.remove_reader(core.out.getsockopt(zmq.FD))
             if core.proc.is_alive():
-                logger.warning("engine core %d did not stop; killing it", core.index)
+                if not grace:
+                    logger.warning("engine core %d did not stop; killing it", core.index)
                 core.proc.kill()
                 core.proc.join(5.0)
             core.inp.close(linger=0)

@@ -195,10 +195,10 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument(
         "--engine-core",
         choices=("thread", "process"),
-        default="thread",
-        help="where the engine runs: a thread of the server process, or a process of its own that "
-        "the server talks to over ZeroMQ (the HTTP side then never holds up a step) "
-        "(default: %(default)s)",
+        default=None,
+        help="where the engine runs: a process of its own that the server talks to over ZeroMQ "
+        "(the HTTP side then never holds up a step), or a thread of the server process "
+        "(default: process for one model; several models run on threads)",
     )
     p.add_argument(
         "--data-parallel-size",
@@ -450,7 +450,9 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
     """The engine behind a single-model server: on a thread here, or in core processes."""
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be at least 1")
-    if args.engine_core == "thread" and args.data_parallel_size == 1:
+    if args.engine_core == "thread" and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size needs --engine-core process")
+    if args.engine_core == "thread":
         from tianxia.engine.async_engine import build_off_main_thread
         from tianxia.engine.llm_engine import LLMEngine
 
@@ -525,7 +527,7 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             "several models give each its KV cache with --kv-cache-memory and all of them a "
             "budget with --models-memory"
         )
-    if args.engine_core != "thread" or args.data_parallel_size != 1:
+    if args.engine_core == "process" or args.data_parallel_size != 1:
         raise ValueError(
             "--engine-core process and --data-parallel-size serve a single model; with several "
             "models each runs on a thread of the server"
