@@ -7,7 +7,8 @@ the offline decode step: one script, one machine, one run.
 - served, for ``--engine-core thread`` and ``process`` in turn (ABBA over ``--rounds``): at
   concurrency 1, sequential streamed requests of the same shape, TPOT =
   (last token - first token) / (tokens - 1), median over requests; at concurrency 16, 32 streamed
-  requests (128 in / 64 out), output tokens/s over the wall time.
+  requests (128 in / 64 out), output tokens/s over the wall time; then, idle, the share of a
+  core that the server and its engine core use over 10 s.
 
     python benchmarks/engine_core_cpu.py --threads 2 --out benchmarks/results/engine_core/cpu.json
 """
@@ -49,6 +50,29 @@ timed(65)
 steps = [(timed(65) - timed(1)) / 64 for _ in range(5)]
 print(json.dumps({"decode_step_ms": 1000 * statistics.median(steps)}))
 """
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its children still alive (the engine cores)."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(c) for c in (task / "children").read_text().split()]
+    total = 0.0
+    for p in pids:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def idle_cpu(pid: int, seconds: float = 10.0) -> float:
+    """The share of one core the server (and its cores) use while no request comes."""
+    time.sleep(3.0)  # past the last step's OpenMP spinning
+    c0 = cpu_seconds(pid)
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - c0) / seconds
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -108,13 +132,15 @@ def main() -> None:
                              "--disable-access-log"])
         with srv:
             result = asyncio.run(served(srv.url, 64))
+            result["idle_cpu_share"] = idle_cpu(srv.proc.pid)
         print(mode, result, flush=True)
         runs[mode].append(result)
     summary = {"offline_decode_step_ms": offline["decode_step_ms"]}
     for mode, results in runs.items():
         tpot = statistics.median(r["tpot_c1_ms"] for r in results)
         summary[mode] = {"tpot_c1_ms": tpot, "tpot_vs_offline": tpot / offline["decode_step_ms"],
-                         "tok_s_c16": statistics.median(r["tok_s_c16"] for r in results)}
+                         "tok_s_c16": statistics.median(r["tok_s_c16"] for r in results),
+                         "idle_cpu_share": max(r["idle_cpu_share"] for r in results)}
     summary["runs"] = runs
     print(json.dumps(summary, indent=2))
     if args.out:

@@ -182,3 +182,18 @@ def test_data_parallel_two_cores(offline_texts):
         assert metric(text, "vllm:num_requests_running", model_name=MODEL) == 0
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1"),
+    (["--data-parallel-size", "2", "--engine-core", "thread"],
+     "--data-parallel-size needs --engine-core process"),
+])
+def test_bad_engine_core_flags_are_one_line_errors(flags, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tianxia.cli", "serve", MODEL, *flags],
+                       capture_output=True, text=True, timeout=120, check=False)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
