@@ -82,10 +82,12 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 async def one(client: httpx.AsyncClient, url: str, ids: list[int], out_len: int) -> tuple[int, float]:
     """Streams one request; returns (tokens, TPOT seconds)."""
-    body = {"model": "m", "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
+    body = { "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
             "temperature": 0, "stream": True}
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode()}")
         async for line in r.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 times.append(time.perf_counter())
