@@ -620,6 +620,16 @@ class LLMEngine:
         position of ``token_ids``, as :meth:`score` runs them: what ``/v1/embeddings`` pools."""
         return self._prompt_pass("embed", token_ids, self.runner.prompt_hidden_states).float().cpu()
 
+    def embed(self, inputs: list[list[int]], pooling_type: str, normalize: bool) -> list[list[float]]:
+        """One vector per input, pooled from :meth:`hidden_states` (``LAST`` token or ``MEAN``) and
+        L2-normalized if asked: ``/v1/embeddings``. Plain lists, so they can cross processes."""
+        vectors = []
+        for ids in inputs:
+            hidden = self.hidden_states(ids)
+            vec = hidden[-1] if pooling_type == "LAST" else hidden.mean(dim=0)
+            vectors.append((torch.nn.functional.normalize(vec, dim=0) if normalize else vec).tolist())
+        return vectors
+
     def _prompt_pass(self, what: str, token_ids: list[int], run) -> torch.Tensor:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.max_model_len}")

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tianxia import __version__
-from tianxia.engine.async_engine import AsyncLLMEngine
+from tianxia.engine.async_engine import EngineClient
 from tianxia.server.errors import APIError, bad_request, install_handlers
 from tianxia.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tianxia.server.model_registry import ModelRegistry
@@ -236,7 +236,7 @@ class CORSConfig:
 class Servings:
     """One handler object per endpoint family, over one engine."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     state: ServerState
     models: ServingModels
     completion: OpenAIServingCompletion
@@ -248,7 +248,7 @@ class Servings:
 
 
 def build_servings(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_names: list[str],
     *,
     chat_template: str | None = None,
@@ -260,7 +260,7 @@ def build_servings(
 ) -> Servings:
     """The handlers of one model; the models of one server share its ``state``."""
     state = state or ServerState(metrics=metrics, retry_after_s=retry_after_s)
-    models = ServingModels(engine.engine, served_model_names)
+    models = ServingModels(engine.info, served_model_names)
 
     def make(cls):
         return cls(

@@ -193,6 +193,23 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         "gets a 504 (default: no limit)",
     )
     p.add_argument(
+        "--engine-core",
+        choices=("thread", "process"),
+        default=None,
+        help="where the engine runs: a process of its own that the server talks to over ZeroMQ "
+        "(the HTTP side then never holds up a step), or a thread of the server process "
+        "(default: process for one model; several models run on threads)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine core processes behind the server, each a copy of the model on its own GPU "
+        "or CPU cores (--threads each); requests go to the core holding their prompt's prefix, "
+        "else the least loaded (implies --engine-core process; default: %(default)s)",
+    )
+    p.add_argument(
         "--max-request-bytes",
         default="4MiB",
         help="largest request body accepted; larger ones get a 413 (default: %(default)s)",
@@ -417,14 +434,6 @@ def _server_models(args: argparse.Namespace, default_model: str) -> list[tuple[s
     return models
 
 
-def _cache_info(engine) -> dict[str, str]:
-    return {
-        "block_size": str(engine.config.cache.block_size),
-        "num_gpu_blocks": str(engine.block_manager.num_blocks),
-        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
-    }
-
-
 def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseException], None]):
     from tianxia.engine.async_engine import AsyncLLMEngine
 
@@ -437,10 +446,33 @@ def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseExcep
     )
 
 
+def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
+    """The engine behind a single-model server: on a thread here, or in core processes."""
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
+    if args.engine_core == "thread" and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size needs --engine-core process")
+    if args.engine_core == "thread":
+        from tianxia.engine.async_engine import build_off_main_thread
+        from tianxia.engine.llm_engine import LLMEngine
+
+        return _async_engine(args, build_off_main_thread(lambda: LLMEngine(config)), on_dead)
+    from tianxia.engine.core_client import EngineCoreClient
+
+    # started from the main thread: a core's PR_SET_PDEATHSIG follows the thread that made it
+    return EngineCoreClient(
+        config,
+        data_parallel_size=args.data_parallel_size,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout=args.request_timeout,
+        log_stats_interval=None if args.disable_log_stats else 10.0,
+        on_dead=on_dead,
+        log_level=args.log_level.upper(),
+    )
+
+
 def _single_model(args: argparse.Namespace, model: str, state, on_dead):
     """The one model of a plain server, loaded before the server starts."""
-    from tianxia.engine.async_engine import build_off_main_thread
-    from tianxia.engine.llm_engine import LLMEngine
     from tianxia.server.api import build_servings
     from tianxia.server.metrics import ServerMetrics
     from tianxia.server.model_registry import ModelRegistry
@@ -448,17 +480,18 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
 
     pooler = PoolerConfig.parse(args.pooler_config)
     config = engine_config(args, model)
-    engine = build_off_main_thread(lambda: LLMEngine(config))
+    async_engine = _engine_client(args, config, on_dead)
     names = args.served_model_name or [model]
-    async_engine = _async_engine(args, engine, on_dead)
     metrics = ServerMetrics(
         names[0],
-        engine.max_model_len,
+        async_engine.info.max_model_len,
         async_engine.stats,
         lambda: async_engine.max_step_seqs,
-        _cache_info(engine),
+        async_engine.info.cache_info(),
     )
     async_engine.listener = metrics
+    if args.data_parallel_size > 1:
+        metrics.add_engine_cores(names[0], async_engine.per_core)
     state.metrics = metrics
     servings = build_servings(
         async_engine,
@@ -469,7 +502,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
         state=state,
     )
     logger.info("serving %s as %s (max_model_len=%d)", model, ", ".join(names),
-                engine.max_model_len)
+                async_engine.info.max_model_len)
     return ModelRegistry.single(servings), metrics
 
 
@@ -493,6 +526,11 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             "--gpu-memory-utilization sizes one model's KV cache from the whole device; with "
             "several models give each its KV cache with --kv-cache-memory and all of them a "
             "budget with --models-memory"
+        )
+    if args.engine_core == "process" or args.data_parallel_size != 1:
+        raise ValueError(
+            "--engine-core process and --data-parallel-size serve a single model; with several "
+            "models each runs on a thread of the server"
         )
     if args.models_max < 1:
         raise ValueError("--models-max must be at least 1")
@@ -518,7 +556,7 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             lambda exc: loop.call_soon_threadsafe(registry.engine_died, entry, exc),
         )
         async_engine.listener = metrics.add_model(
-            entry.name, async_engine.stats, lambda: async_engine.max_step_seqs, _cache_info(engine)
+            entry.name, async_engine.stats, lambda: async_engine.max_step_seqs, async_engine.info.cache_info()
         )
         return build_servings(
             async_engine,

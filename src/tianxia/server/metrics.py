@@ -208,6 +208,45 @@ class _EngineCollector(Collector):
             yield info
 
 
+# per-core series of a data-parallel server: (stats key, name, doc, kind)
+_CORE_SERIES = (
+    ("num_running", "tianxia:engine_num_requests_running", "Requests running in this engine core.",
+     GaugeMetricFamily),
+    ("num_waiting", "tianxia:engine_num_requests_waiting", "Requests waiting in this engine core.",
+     GaugeMetricFamily),
+    ("kv_cache_usage", "tianxia:engine_kv_cache_usage_perc",
+     "This engine core's KV-cache usage. 1 means 100 percent usage.", GaugeMetricFamily),
+    ("prefix_cache_queries", "tianxia:engine_prefix_cache_queries",
+     "This engine core's prefix cache queries, in tokens.", CounterMetricFamily),
+    ("prefix_cache_hits", "tianxia:engine_prefix_cache_hits",
+     "This engine core's prefix cache hits, in tokens.", CounterMetricFamily),
+    ("generation_tokens", "tianxia:engine_generation_tokens",
+     "Generation tokens this engine core processed.", CounterMetricFamily),
+    ("routed", "tianxia:engine_routed_requests", "Requests the server sent to this engine core.",
+     CounterMetricFamily),
+    ("routed_by_prefix", "tianxia:engine_routed_by_prefix",
+     "Requests sent to this engine core because it had served their prompt's prefix.",
+     CounterMetricFamily),
+)
+
+
+class _CoreCollector(Collector):
+    """The engine cores behind one model (``--data-parallel-size``), labelled ``engine``: their
+    index, as vLLM labels its data-parallel ranks."""
+
+    def __init__(self, model_name: str, per_core: Callable[[], list[dict[str, float]]]) -> None:
+        self.model_name = model_name
+        self.per_core = per_core
+
+    def collect(self):
+        cores = self.per_core()
+        for key, name, doc, kind in _CORE_SERIES:
+            family = kind(name, doc, labels=["model_name", "engine"])
+            for index, stats in enumerate(cores):
+                family.add_metric([self.model_name, str(index)], float(stats.get(key, 0)))
+            yield family
+
+
 class ModelMetrics(StatsListener):
     """One model's histograms and counters (the server's series, labelled with its name); the
     stats listener of its engine."""
@@ -356,6 +395,12 @@ class ServerMetrics(ModelMetrics):
         """Report a loaded model's engine; returns its stats listener."""
         self.engines[model_name] = _EngineSource(stats, cache_info or {}, max_step_seqs)
         return self if model_name == self.model_name else ModelMetrics(self, model_name)
+
+    def add_engine_cores(
+        self, model_name: str, per_core: Callable[[], list[dict[str, float]]]
+    ) -> None:
+        """Report each engine core of a data-parallel model on its own (``engine`` label)."""
+        self.registry.register(_CoreCollector(model_name, per_core))
 
     def remove_model(self, model_name: str) -> None:
         """An unloaded model's gauges go; its counters and histograms stay (they are totals)."""

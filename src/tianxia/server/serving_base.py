@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from tianxia.engine.async_engine import (
-    AsyncLLMEngine,
+    EngineClient,
     EngineDeadError,
     EngineStepError,
     QueueFullError,
@@ -251,7 +251,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         models: ServingModels,
         state: ServerState,
         *,
@@ -259,7 +259,7 @@ class OpenAIServing:
         tool_call_parser: str | None = "auto",
     ) -> None:
         self.engine = engine
-        self.llm = engine.engine
+        self.llm = engine.info
         self.models = models
         self.state = state
         self.tokenizer = self.llm.tokenizer

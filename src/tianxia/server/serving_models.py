@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tianxia.engine.llm_engine import LLMEngine
+from tianxia.engine.engine_info import EngineInfo
 from tianxia.server.errors import APIError
 
 
 class ServingModels:
     """The served model under every name clients may use; the first name is the one reported."""
 
-    def __init__(self, llm: LLMEngine, names: list[str]) -> None:
+    def __init__(self, llm: EngineInfo, names: list[str]) -> None:
         self.llm = llm
         self.names = list(names)
         self.name = self.names[0]
