@@ -84,6 +84,23 @@ METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA options: ``max_loras`` distinct adapters in one batch, ``max_lora_rank`` the
+    largest rank accepted, ``max_cpu_loras`` adapters kept in memory (LRU; None: ``max_loras``)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """``method``: ``ngram`` (prompt lookup) or ``draft_model`` (a smaller model with the same
     tokenizer, ``model``). ``num_speculative_tokens``: the most tokens proposed per sequence and
@@ -190,6 +207,7 @@ class EngineConfig:
     # by default
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)

@@ -1,0 +1,223 @@
+"""LoRA adapters, offline: adapters built with ``peft`` on tiny random models of two families and
+on SmolLM2, saved, and served by tianxia; greedy tokens and logprobs must equal
+``transformers`` + ``peft`` in float32, with the base and three adapters mixed in one batch of 16.
+Also: the prefix cache never serves one adapter's blocks to another, and bad adapters are clear
+errors that leave the engine serving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_greedy_match
+from transformers import AutoModelForCausalLM
+
+from tianxia import LLM, SamplingParams
+from tianxia.engine.lora_manager import LoRARequest
+from tianxia.layers.lora import LoRAError
+
+NEW_TOKENS = 8
+PROMPTS = [
+    "The quick brown fox", "def add(a, b):", "Once upon a time", "The capital of France is",
+]
+# name -> LoraConfig keywords: attention only, every projection, MLP only, rsLoRA of rank 4
+ADAPTERS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"]),
+    "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+}
+
+
+def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
+    """A PEFT adapter over ``base`` with random, non-zero A and B (a trained adapter's shape)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out))
+    model.unload()  # the base's modules back as they were, for the next adapter
+    return out
+
+
+def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], n: int):
+    """transformers (+ peft) float32 greedy tokens, and the log-softmax at each step."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, str(adapter)) if adapter else base
+    ids, tokens, logprobs = list(prompt_ids), [], []
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+                tokens.append(int(lp.argmax()))
+                logprobs.append(lp)
+                ids.append(tokens[-1])
+    finally:
+        if adapter:
+            model.unload()
+    return tokens, logprobs
+
+
+def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[str], label: str) -> None:
+    """The base and every adapter, each on every prompt, in one batch: tianxia vs peft."""
+    tok = llm.get_tokenizer()
+    jobs = [(name, p) for name in (None, *adapters) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True)
+    loras = [None if name is None else LoRARequest(name, i + 1, str(adapters[name]))
+             for i, (name, _) in enumerate(jobs)]
+    outs = llm.generate([{"prompt_token_ids": tok.encode(p)} for _, p in jobs], params, use_tqdm=False,
+                        lora_request=loras)
+    assert llm.engine.runner.route_counts["eager"] > 0
+    outputs_by_adapter: dict[str | None, list[list[int]]] = {}
+    for (name, _), out in zip(jobs, outs):
+        ref_tokens, ref_lps = reference(base, adapters.get(name), out.prompt_token_ids, NEW_TOKENS)
+        got = out.outputs[0].token_ids
+        print(assert_greedy_match(ref_tokens, got, lambda i: ref_lps[i], f"{label}/{name}"))
+        for i, (token, entry) in enumerate(zip(got, out.outputs[0].logprobs)):
+            if got[: i + 1] != ref_tokens[: i + 1]:
+                break
+            assert abs(entry[token].logprob - ref_lps[i][token].item()) < 1e-4, (label, name, i)
+        outputs_by_adapter.setdefault(name, []).append(got)
+    # the adapters really change the output (else the test would prove nothing)
+    for name in adapters:
+        assert outputs_by_adapter[name] != outputs_by_adapter[None], name
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, dict[str, Path]]]:
+    out = {}
+    for arch in ("llama", "qwen2"):
+        root = tmp_path_factory.mktemp(f"lora-{arch}")
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_models[arch]), dtype=torch.float32)
+        out[arch] = (tiny_models[arch], {
+            name: make_adapter(base, root / name, seed, **cfg) for seed, (name, cfg) in enumerate(ADAPTERS.items())
+        })
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_adapters):
+    return LLM(str(tiny_adapters["llama"][0]), kv_cache_memory="64MiB", max_model_len=256, seed=0,
+               cpu_activations="float32", enable_lora=True, max_loras=3, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_base_and_three_adapters_in_one_batch_match_peft(arch, tiny_adapters):
+    model_dir, adapters = tiny_adapters[arch]
+    llm = LLM(str(model_dir), kv_cache_memory="64MiB", max_model_len=256, seed=0, cpu_activations="float32",
+              enable_lora=True, max_loras=3, max_lora_rank=8)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    check_against_peft(llm, base, adapters, PROMPTS, arch)
+
+
+def test_smollm2_adapters_match_peft(smollm2_path, smollm2_reference, tmp_path):
+    adapters = {
+        "all": make_adapter(smollm2_reference, tmp_path / "all", 0, **ADAPTERS["all"]),
+        "qv": make_adapter(smollm2_reference, tmp_path / "qv", 1, **ADAPTERS["qv"]),
+    }
+    llm = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=256, seed=0, cpu_activations="float32",
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    check_against_peft(llm, smollm2_reference, adapters, PROMPTS[:2], "smollm2")
+
+
+def test_prefix_cache_keys_blocks_by_adapter(tiny_llm, tiny_adapters):
+    adapters = tiny_adapters["llama"][1]
+    prompt = "The history of the printing press begins " * 8  # several full blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    qv = LoRARequest("qv", 1, str(adapters["qv"]))
+    everything = LoRARequest("all", 2, str(adapters["all"]))
+
+    def run(lora):
+        return tiny_llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0]
+
+    first = run(qv)
+    again = run(qv)
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    # the same tokens under another adapter, or the base, are other K/V: no hit from qv's blocks
+    other, base = run(everything), run(None)
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    # and each is what it gets alone in a fresh engine
+    fresh = LLM(str(tiny_adapters["llama"][0]), kv_cache_memory="64MiB", max_model_len=256,
+                cpu_activations="float32", enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+    for out, lora in ((other, everything), (base, None), (first, qv)):
+        alone = fresh.generate(prompt, params, use_tqdm=False, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_max_cpu_loras_reloads_evicted_adapters(tiny_adapters):
+    model_dir, adapters = tiny_adapters["llama"]
+    llm = LLM(str(model_dir), kv_cache_memory="64MiB", max_model_len=256, cpu_activations="float32",
+              enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    first = [llm.generate("Once upon a time", params, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+             for r in requests]
+    assert len(llm.engine.lora_manager._resident) == 1
+    # one resident adapter at a time, one adapter per batch: a mixed batch still completes, each
+    # request with its own adapter's tokens
+    outs = llm.generate(["Once upon a time"] * 3, params, use_tqdm=False, lora_request=requests)
+    assert [o.outputs[0].token_ids for o in outs] == first
+
+
+def _corrupt(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    (dst / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes()[:100])
+    return dst
+
+
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(tiny_llm, tiny_adapters, tmp_path):
+    llama_dir, adapters = tiny_adapters["llama"]
+    big = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    high_rank = make_adapter(big, tmp_path / "r32", 0, r=32, lora_alpha=32, target_modules=["q_proj"])
+    head = make_adapter(big, tmp_path / "head", 0, r=4, target_modules=["lm_head"])
+    saved = make_adapter(big, tmp_path / "saved", 0, r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    other = tmp_path / "other-base"  # a llama of another width: same names, other shapes
+    from helpers import make_tiny_hf_model
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for f in llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special")):
+            (tok_dir / f.name).write_bytes(f.read_bytes())
+    make_tiny_hf_model("llama", other, tok_dir, hidden_size=32)
+    wide = make_adapter(AutoModelForCausalLM.from_pretrained(str(other)), tmp_path / "wide", 0, r=4,
+                        target_modules=["q_proj"])
+    corrupt = _corrupt(adapters["qv"], tmp_path / "corrupt")
+    bad_json = tmp_path / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "adapter_config.json").write_text("{not json")
+    cases = {
+        high_rank: "above --max-lora-rank 8",
+        head: "no module 'lm_head'",
+        saved: "modules_to_save",
+        wide: "another base model",
+        corrupt: "unreadable safetensors",
+        bad_json: "unreadable adapter config",
+        tmp_path / "missing": "not a PEFT adapter directory",
+    }
+    for i, (path, words) in enumerate(cases.items()):
+        with pytest.raises(LoRAError, match=words.replace("(", r"\(")) as err:
+            tiny_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False,
+                              lora_request=LoRARequest(f"bad{i}", 100 + i, str(path)))
+        assert str(path) in str(err.value)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        tiny_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=LoRARequest("nope", 9))
+    # nothing of the failures stayed registered, and the engine still serves base and adapters
+    assert not any(n.startswith("bad") for n in tiny_llm.engine.list_loras())
+    outs = tiny_llm.generate(["Hi", "Hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                             lora_request=[None, LoRARequest("qv", 1, str(adapters["qv"]))])
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
+def test_lora_needs_enable_lora(smollm2_llm, tiny_adapters):
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        smollm2_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False,
+                             lora_request=LoRARequest("qv", 1, str(tiny_adapters["llama"][1]["qv"])))
