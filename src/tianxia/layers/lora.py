@@ -112,16 +112,20 @@ def load_peft_adapter(
     except (SafetensorError, OSError, ValueError) as e:
         raise LoRAError(f"{file}: unreadable safetensors file ({e})") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    others = []
     for key, tensor in tensors.items():
         m = _PEFT_KEY.match(key)
         if m is None:
-            raise LoRAError(f"{file}: unexpected tensor {key!r} (only lora_A / lora_B weights are served)")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
+            others.append(key)
+        else:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
     owner = {part: t for t in targets.values() for part, _ in t.parts}
     lacking = sorted(m for m in pairs if m not in owner)
     if lacking:
         raise LoRAError(f"{path}: the base model has no module {lacking[0]!r} to adapt "
                         f"(adapters may target q/k/v/o and gate/up/down projections)")
+    if others:
+        raise LoRAError(f"{file}: unexpected tensor {others[0]!r} (only lora_A / lora_B weights are served)")
     weights = {}
     for target in {owner[m].module: owner[m] for m in pairs}.values():
         weights[target.module] = _fuse(target, pairs, rank, scaling, file)
