@@ -85,3 +85,37 @@ def make_tiny_hf_model(
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
+    """A PEFT adapter over ``base`` with random, non-zero A and B (a trained adapter's shape)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out))
+    model.unload()  # the base's modules back as they were, for the next adapter
+    return out
+
+
+def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], n: int):
+    """transformers (+ peft) float32 greedy tokens, and the log-softmax at each step."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, str(adapter)) if adapter else base
+    ids, tokens, logprobs = list(prompt_ids), [], []
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+                tokens.append(int(lp.argmax()))
+                logprobs.append(lp)
+                ids.append(tokens[-1])
+    finally:
+        if adapter:
+            model.unload()
+    return tokens, logprobs

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_greedy_match
+from helpers import assert_greedy_match, make_adapter, reference
 from transformers import AutoModelForCausalLM
 
 from tianxia import LLM, SamplingParams
@@ -29,40 +29,6 @@ ADAPTERS = {
                                                      "up_proj", "down_proj"]),
     "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
 }
-
-
-def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
-    """A PEFT adapter over ``base`` with random, non-zero A and B (a trained adapter's shape)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    model.save_pretrained(str(out))
-    model.unload()  # the base's modules back as they were, for the next adapter
-    return out
-
-
-def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], n: int):
-    """transformers (+ peft) float32 greedy tokens, and the log-softmax at each step."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(base, str(adapter)) if adapter else base
-    ids, tokens, logprobs = list(prompt_ids), [], []
-    try:
-        with torch.no_grad():
-            for _ in range(n):
-                lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
-                tokens.append(int(lp.argmax()))
-                logprobs.append(lp)
-                ids.append(tokens[-1])
-    finally:
-        if adapter:
-            model.unload()
-    return tokens, logprobs
 
 
 def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[str], label: str) -> None:

@@ -334,6 +334,50 @@ def add_speculative_args(parser) -> None:
                         help="fewest draft tokens worth verifying; shorter proposals are dropped (default: 0)")
 
 
+def add_lora_args(parser) -> None:
+    """vLLM's LoRA serving flags."""
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model")
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help='adapters served at start-up, each NAME=PATH (a PEFT directory) or vLLM\'s JSON '
+             '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by its "model"',
+    )
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default: 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default: 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in memory, least recently used evicted (default: --max-loras)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+
+
+def lora_from_args(args) -> LoRAConfig | None:
+    if not getattr(args, "enable_lora", False):
+        if getattr(args, "lora_modules", None):
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+
+
+def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-modules`` items as (name, path): ``NAME=PATH`` or vLLM's JSON object."""
+    out = []
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+                raise ValueError(f'--lora-modules: {item!r} needs "name" and "path" strings')
+            out.append((obj["name"], obj["path"]))
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not NAME=PATH")
+            out.append((name, path))
+    return out
+
+
 def speculative_from_args(args) -> SpeculativeConfig | None:
     """The speculative config of a command line (None: speculation off)."""
     from dataclasses import replace

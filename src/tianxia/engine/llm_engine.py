@@ -690,4 +690,18 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self._lora_stats() if self.lora_manager is not None else {}),
+        }
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` labels (adapters of running and waiting requests) and
+        requests per adapter."""
+        def names(seqs) -> str:
+            return ",".join(sorted({s.lora_name for s in seqs if s.lora_name is not None}))
+
+        return {
+            "lora_running": names(self.scheduler.running),
+            "lora_waiting": names(self.scheduler.waiting),
+            "max_lora": self.lora_manager.config.max_loras,
+            "lora_requests_total": dict(self.lora_manager.requests_total),
         }

@@ -21,9 +21,12 @@ from tianxia.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    add_lora_args,
     add_quantization_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
+    lora_from_args,
+    parse_lora_modules,
     parse_size,
     speculative_from_args,
 )
@@ -152,6 +155,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="CPU intra-op threads (default: the physical cores)")
     add_quantization_args(p)
     add_speculative_args(p)
+    add_lora_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -354,6 +358,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),
+        lora=lora_from_args(args),
     )
 
 
@@ -448,7 +453,11 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
 
     pooler = PoolerConfig.parse(args.pooler_config)
     config = engine_config(args, model)
+    adapters = parse_lora_modules(args.lora_modules)
     engine = build_off_main_thread(lambda: LLMEngine(config))
+    for name, path in adapters:
+        engine.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
+    state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
     names = args.served_model_name or [model]
     async_engine = _async_engine(args, engine, on_dead)
     metrics = ServerMetrics(
@@ -494,6 +503,8 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             "several models give each its KV cache with --kv-cache-memory and all of them a "
             "budget with --models-memory"
         )
+    if args.enable_lora:
+        raise ValueError("--enable-lora serves adapters over the one model of a single-model server")
     if args.models_max < 1:
         raise ValueError("--models-max must be at least 1")
     if not args.models_load_timeout > 0:
