@@ -188,3 +188,43 @@ def test_lora_needs_enable_lora(smollm2_llm, tiny_adapters):
     with pytest.raises(ValueError, match="enable_lora=True"):
         smollm2_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False,
                              lora_request=LoRARequest("qv", 1, str(tiny_adapters["llama"][1]["qv"])))
+
+
+def _peft_two_adapters(base, first: Path, second: Path, second_scale: float):
+    """peft with both adapters active (their deltas summed), the second's scaling times a factor."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    model = PeftModel.from_pretrained(base, str(first), adapter_name="first")
+    model.load_adapter(str(second), adapter_name="second")
+    model.base_model.set_adapter(["first", "second"])
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and "second" in module.scaling:
+            module.scaling["second"] *= second_scale
+    return model
+
+
+def test_cli_run_with_lora_and_lora_scaled_matches_peft(tiny_adapters):
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    model_dir, adapters = tiny_adapters["llama"]
+    prompt = "Once upon a time"
+    cmd = [sys.executable, "-m", "tianxia.cli", "run", "-m", str(model_dir), "-p", prompt, "-n", "6", "--temp", "0",
+           "--cpu-activations", "float32", "--kv-cache-memory", "32MiB", "-c", "128",
+           "--lora", str(adapters["qv"]), "--lora-scaled", str(adapters["all"]), "0.5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = _peft_two_adapters(base, adapters["qv"], adapters["all"], 0.5)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    assert proc.stdout == prompt + tokenizer.decode(out[0, len(ids):])
+    bad = subprocess.run(cmd[:-5] + ["--lora", str(model_dir / "nowhere")], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "not a PEFT adapter directory" in bad.stderr

@@ -388,8 +388,10 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {req.lora_name!r} is already loaded from {manager.paths[req.lora_name]}")
         return manager.acquire(req.lora_name, self.scheduler.lora_slots_in_use())
 
-    def add_lora(self, name: str, path: str) -> None:
-        """Register an adapter (vLLM's ``/v1/load_lora_adapter``); a bad one raises LoRAError."""
+    def add_lora(self, name: str, path: str | list[tuple[str, float]]) -> None:
+        """Register an adapter (vLLM's ``/v1/load_lora_adapter``): a path, or (path, scale) pairs
+        whose deltas are summed (llama.cpp's ``--lora`` / ``--lora-scaled``); a bad one raises
+        LoRAError."""
         if self.lora_manager is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
         self.lora_manager.add(name, path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tianxia.config import LoRAConfig
-from tianxia.layers.lora import LoRAAdapter, LoRAError, LoRAState, load_peft_adapter
+from tianxia.layers.lora import LoRAAdapter, LoRAError, LoRAState, load_peft_adapter, stack_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class LoRAManager:
         self.capacity = config.max_cpu_loras or config.max_loras
         self.state = LoRAState(model, model.lora_targets())
         self.device = next(model.parameters()).device
-        self.paths: dict[str, str] = {}  # name -> adapter path
+        # name -> the adapter files and their scales (several: their deltas are summed)
+        self.sources: dict[str, tuple[tuple[str, float], ...]] = {}
         self.slot_of: dict[str, int] = {}
         self._resident: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
         self._slots = itertools.count()
@@ -55,43 +56,54 @@ class LoRAManager:
 
     @property
     def names(self) -> list[str]:
-        return list(self.paths)
+        return list(self.sources)
 
-    def add(self, name: str, path: str) -> None:
-        """Register (and load, to check it) an adapter; a bad one raises :class:`LoRAError`."""
+    @property
+    def paths(self) -> dict[str, str]:
+        """Each adapter's (first) file."""
+        return {name: src[0][0] for name, src in self.sources.items()}
+
+    def add(self, name: str, path: str | list[tuple[str, float]]) -> None:
+        """Register (and load, to check it) an adapter: one path, or several (path, scale) whose
+        deltas are summed; a bad one raises :class:`LoRAError`."""
         if not name:
             raise LoRAError("an adapter needs a name")
-        if name in self.paths:
+        if name in self.sources:
             raise LoRAError(f"an adapter named {name!r} is already loaded")
-        adapter = self._read(name, path)
+        sources = ((path, 1.0),) if isinstance(path, str) else tuple(path)
+        adapter = self._read(name, sources)
         slot = next(self._slots)
-        self.paths[name], self.slot_of[name] = path, slot
+        self.sources[name], self.slot_of[name] = sources, slot
         self._hold(slot, adapter, pinned=set())
-        logger.info("LoRA adapter %r (rank %d, %.1f MiB) from %s", name, adapter.rank, adapter.nbytes / 2**20, path)
+        logger.info("LoRA adapter %r (rank %d, %.1f MiB) from %s", name, adapter.rank, adapter.nbytes / 2**20,
+                    ", ".join(p for p, _ in sources))
 
     def remove(self, name: str) -> bool:
         """Unregister an adapter; sequences already running with it finish with it."""
-        if name not in self.paths:
+        if name not in self.sources:
             return False
-        del self.paths[name]
+        del self.sources[name]
         self.slot_of.pop(name)
         return True
 
     def acquire(self, name: str, pinned: set[int]) -> int:
         """The slot of adapter ``name`` for a new request, loading it back if it was evicted;
         ``pinned`` are the slots that running or waiting sequences use (never evicted)."""
-        if name not in self.paths:
+        if name not in self.sources:
             raise LoRAUnknownError(f"no LoRA adapter named {name!r} is loaded")
         slot = self.slot_of[name]
         if slot in self._resident:
             self._resident.move_to_end(slot)
         else:
-            self._hold(slot, self._read(name, self.paths[name]), pinned)
+            self._hold(slot, self._read(name, self.sources[name]), pinned)
         self.requests_total[name] += 1
         return slot
 
-    def _read(self, name: str, path: str) -> LoRAAdapter:
-        adapter = load_peft_adapter(name, path, self.state.targets, self.config.max_lora_rank)
+    def _read(self, name: str, sources: tuple[tuple[str, float], ...]) -> LoRAAdapter:
+        adapter = stack_adapters(name, [
+            load_peft_adapter(name, path, self.state.targets, self.config.max_lora_rank, scale)
+            for path, scale in sources
+        ])
         for module, (a, b) in adapter.weights.items():
             adapter.weights[module] = (a.to(self.device), b.to(self.device))
         return adapter

@@ -89,10 +89,10 @@ def read_peft_config(path: str | Path) -> dict:
 
 
 def load_peft_adapter(
-    name: str, path: str | Path, targets: dict[str, LoRATarget], max_rank: int,
+    name: str, path: str | Path, targets: dict[str, LoRATarget], max_rank: int, scale: float = 1.0,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA adapter for a base whose fused modules are ``targets`` (keyed by our
-    module name). Every problem (rank above ``max_rank``, modules the base lacks, shapes of
+    module name), its deltas times ``scale`` (llama.cpp's ``--lora-scaled``). Every problem (rank above ``max_rank``, modules the base lacks, shapes of
     another model, a corrupt file) is a :class:`LoRAError` naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -103,7 +103,7 @@ def load_peft_adapter(
     if rank > max_rank:
         raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", rank)
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    scaling = scale * (alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank)
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         raise LoRAError(f"{path}: no adapter_model.safetensors")
@@ -132,6 +132,18 @@ def load_peft_adapter(
     if not weights:
         raise LoRAError(f"{file}: no LoRA weights")
     return LoRAAdapter(name, str(path), rank, weights)
+
+
+def stack_adapters(name: str, adapters: list[LoRAAdapter]) -> LoRAAdapter:
+    """One adapter whose delta is the sum of ``adapters``' (llama.cpp applies every ``--lora``
+    at once): their A rows and B columns side by side, a rank-sum adapter."""
+    if len(adapters) == 1:
+        return LoRAAdapter(name, adapters[0].path, adapters[0].rank, adapters[0].weights)
+    weights = {}
+    for module in dict.fromkeys(m for a in adapters for m in a.weights):
+        parts = [a.weights[module] for a in adapters if module in a.weights]
+        weights[module] = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], dim=1))
+    return LoRAAdapter(name, adapters[0].path, sum(a.rank for a in adapters), weights)
 
 
 def _fuse(target: LoRATarget, pairs: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
