@@ -104,8 +104,9 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]):
-        # decodes (one new token) first, so the attention backend can batch them densely
-        order = sorted(scheduled, key=lambda x: x[1] != 1)
+        # decodes (one new token) first, so the attention backend can batch them densely; then
+        # by LoRA adapter, so each adapter's rows are a run its product reads in place
+        order = sorted(scheduled, key=lambda x: (x[1] != 1, x[0].lora_slot))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

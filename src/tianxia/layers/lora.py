@@ -7,8 +7,9 @@ into one pair of matrices per fused module of the base (``qkv_proj``, ``o_proj``
 block-diagonal ``[out, R]`` matrix with the scaling folded in, so a fused module's delta is two
 products whatever subset of its parts the adapter targets.
 
-A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): each adapter present
-multiplies its own rows, and the base rows cost nothing. The products go through
+A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): the runner orders
+them by adapter, each adapter present multiplies its own run of rows in place, and the base rows
+cost nothing. The products go through
 :func:`~tianxia.quant.cpu_kernels.dense_linear` on CPU, which computes each row alone, so a row's
 delta does not depend on what else is in the batch. The deltas are added by forward hooks on the
 fused modules, so the model code is unchanged.
@@ -179,17 +180,19 @@ class LoRAState:
     def __init__(self, model: nn.Module, targets: dict[str, LoRATarget]) -> None:
         self.targets = targets
         self.slots: dict[int, LoRAAdapter] = {}
-        # per step: (slot, row index or None for all rows) for every row count the step sees
-        # (the whole batch, and the kept rows of the last layer's MLP)
-        self._groups: dict[int, list[tuple[int, torch.Tensor | None]]] = {}
+        # per step: the (slot, first row, end row) runs of adapter rows, for every row count the
+        # step sees (the whole batch, and the kept rows of the last layer's MLP)
+        self._groups: dict[int, list[tuple[int, int, int]]] = {}
         for name in targets:
             model.get_submodule(name).register_forward_hook(self._hook(name))
 
     def begin_step(self, row_slots: list[int], keep: list[int] | None) -> None:
-        """Set the adapter slot of every row of the step (-1: the base model)."""
-        self._groups = {len(row_slots): _group(row_slots)}
+        """Set the adapter slot of every row of the step (-1: the base model). The runner orders
+        a step's rows by adapter, so each adapter's rows are one or two runs (decodes, prompts)
+        and its product reads them in place."""
+        self._groups = {len(row_slots): _runs(row_slots)}
         if keep is not None:
-            self._groups.setdefault(len(keep), _group([row_slots[r] for r in keep]))
+            self._groups.setdefault(len(keep), _runs([row_slots[r] for r in keep]))
 
     def end_step(self) -> None:
         self._groups = {}
@@ -200,28 +203,24 @@ class LoRAState:
             if not groups:
                 return output
             x = inputs[0]
-            for slot, rows in groups:
+            for slot, start, end in groups:
                 ab = self.slots[slot].weights.get(name)
-                if ab is None:
-                    continue
-                a, b = ab
-                xs = x if rows is None else x.index_select(0, rows)
-                delta = dense_linear(dense_linear(xs.float(), a), b).to(output.dtype)
-                if rows is None:
-                    output += delta
-                else:
-                    output.index_add_(0, rows, delta)
+                if ab is not None:
+                    a, b = ab
+                    output[start:end] += dense_linear(dense_linear(x[start:end].float(), a), b).to(output.dtype)
             return output
 
         return hook
 
 
-def _group(row_slots: list[int]) -> list[tuple[int, torch.Tensor | None]]:
-    """(slot, rows) for each adapter among the rows; rows None when it has all of them."""
-    by_slot: dict[int, list[int]] = {}
+def _runs(row_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) for each run of consecutive rows with one adapter."""
+    runs: list[tuple[int, int, int]] = []
     for i, s in enumerate(row_slots):
-        if s >= 0:
-            by_slot.setdefault(s, []).append(i)
-    if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(row_slots):
-        return [(next(iter(by_slot)), None)]
-    return [(s, torch.tensor(rows, dtype=torch.long)) for s, rows in by_slot.items()]
+        if s < 0:
+            continue
+        if runs and runs[-1][0] == s and runs[-1][2] == i:
+            runs[-1] = (s, runs[-1][1], i + 1)
+        else:
+            runs.append((s, i, i + 1))
+    return runs
