@@ -228,3 +228,54 @@ def test_cli_run_with_lora_and_lora_scaled_matches_peft(tiny_adapters):
                          timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "not a PEFT adapter directory" in bad.stderr
+
+
+def write_gguf_lora(peft_dir: Path, out: Path, heads: int, kv_heads: int) -> Path:
+    """llama.cpp's GGUF adapter of a PEFT adapter, as ``convert_lora_to_gguf.py`` writes it for
+    a ``llama`` base (q/k rows of B permuted like the base's q/k weights)."""
+    import json
+    import re
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tianxia.loader.gguf import hf_to_gguf_name
+
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, t in load_file(str(peft_dir / "adapter_model.safetensors")).items():
+        module, ab = re.match(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key).groups()
+        if ab == "B" and module.endswith(("q_proj", "k_proj")):
+            n = heads if module.endswith("q_proj") else kv_heads
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(hf_to_gguf_name(module + ".weight") + (".lora_a" if ab == "A" else ".lora_b"),
+                          t.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_gguf_lora_adapter_matches_peft(tiny_llm, tiny_adapters, smollm2_path, tmp_path):
+    model_dir, adapters = tiny_adapters["llama"]
+    config = tiny_llm.engine.model_config
+    path = write_gguf_lora(adapters["all"], tmp_path / "all.gguf", config.num_attention_heads,
+                           config.num_key_value_heads)
+    tok = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for prompt in PROMPTS[:2]:
+        ids = tok.encode(prompt)
+        out = tiny_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False,
+                                lora_request=LoRARequest("gguf-all", 50, str(path)))[0].outputs[0]
+        ref_tokens, ref_lps = reference(base, adapters["all"], ids, NEW_TOKENS)
+        assert out.token_ids == ref_tokens
+        for i, (t, entry) in enumerate(zip(ref_tokens, out.logprobs)):
+            assert abs(entry[t].logprob - ref_lps[i][t].item()) < 1e-4
+    with pytest.raises(LoRAError, match="not a GGUF LoRA adapter"):
+        tiny_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False,
+                          lora_request=LoRARequest("model-file", 51, str(smollm2_path)))

@@ -46,6 +46,7 @@ class LoRAManager:
         self.config = config
         self.capacity = config.max_cpu_loras or config.max_loras
         self.state = LoRAState(model, model.lora_targets())
+        self.model_config = getattr(model, "config", None)
         self.device = next(model.parameters()).device
         # name -> the adapter files and their scales (several: their deltas are summed)
         self.sources: dict[str, tuple[tuple[str, float], ...]] = {}
@@ -100,13 +101,19 @@ class LoRAManager:
         return slot
 
     def _read(self, name: str, sources: tuple[tuple[str, float], ...]) -> LoRAAdapter:
-        adapter = stack_adapters(name, [
-            load_peft_adapter(name, path, self.state.targets, self.config.max_lora_rank, scale)
-            for path, scale in sources
-        ])
+        adapter = stack_adapters(name, [self._read_one(name, path, scale) for path, scale in sources])
         for module, (a, b) in adapter.weights.items():
             adapter.weights[module] = (a.to(self.device), b.to(self.device))
         return adapter
+
+    def _read_one(self, name: str, path: str, scale: float) -> LoRAAdapter:
+        """A PEFT directory, or llama.cpp's GGUF adapter file."""
+        targets, max_rank = self.state.targets, self.config.max_lora_rank
+        if path.endswith(".gguf"):
+            from tianxia.loader.gguf_lora import load_gguf_adapter
+
+            return load_gguf_adapter(name, path, self.model_config, targets, max_rank, scale)
+        return load_peft_adapter(name, path, targets, max_rank, scale)
 
     def _hold(self, slot: int, adapter: LoRAAdapter, pinned: set[int]) -> None:
         self._resident[slot] = adapter

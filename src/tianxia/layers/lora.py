@@ -93,16 +93,15 @@ def load_peft_adapter(
     name: str, path: str | Path, targets: dict[str, LoRATarget], max_rank: int, scale: float = 1.0,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA adapter for a base whose fused modules are ``targets`` (keyed by our
-    module name), its deltas times ``scale`` (llama.cpp's ``--lora-scaled``). Every problem (rank above ``max_rank``, modules the base lacks, shapes of
-    another model, a corrupt file) is a :class:`LoRAError` naming the file."""
+    module name), its deltas times ``scale`` (llama.cpp's ``--lora-scaled``). Every problem
+    (rank above ``max_rank``, modules the base lacks, shapes of another model, a corrupt file) is
+    a :class:`LoRAError` naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     cfg = read_peft_config(path)
     rank = cfg["r"]
-    if rank > max_rank:
-        raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", rank)
     scaling = scale * (alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank)
     file = path / "adapter_model.safetensors"
@@ -120,19 +119,33 @@ def load_peft_adapter(
             others.append(key)
         else:
             pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
-    owner = {part: t for t in targets.values() for part, _ in t.parts}
+    if others and all(m in _owners(targets) for m in pairs):
+        raise LoRAError(f"{file}: unexpected tensor {others[0]!r} (only lora_A / lora_B weights are served)")
+    return build_adapter(name, path, pairs, rank, scaling, targets, max_rank)
+
+
+def build_adapter(name: str, path: str | Path, pairs: dict[str, dict[str, torch.Tensor]], rank: int,
+                  scaling: float, targets: dict[str, LoRATarget], max_rank: int) -> LoRAAdapter:
+    """An adapter from its ``A`` / ``B`` matrices per checkpoint module (Hugging Face names,
+    ``pairs[module]["A"]`` ``[rank, in]``, ``["B"]`` ``[out, rank]``), checked against the base."""
+    if rank > max_rank:
+        raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+    owner = _owners(targets)
     lacking = sorted(m for m in pairs if m not in owner)
     if lacking:
         raise LoRAError(f"{path}: the base model has no module {lacking[0]!r} to adapt "
                         f"(adapters may target q/k/v/o and gate/up/down projections)")
-    if others:
-        raise LoRAError(f"{file}: unexpected tensor {others[0]!r} (only lora_A / lora_B weights are served)")
     weights = {}
     for target in {owner[m].module: owner[m] for m in pairs}.values():
-        weights[target.module] = _fuse(target, pairs, rank, scaling, file)
+        weights[target.module] = _fuse(target, pairs, rank, scaling, path)
     if not weights:
-        raise LoRAError(f"{file}: no LoRA weights")
+        raise LoRAError(f"{path}: no LoRA weights")
     return LoRAAdapter(name, str(path), rank, weights)
+
+
+def _owners(targets: dict[str, LoRATarget]) -> dict[str, LoRATarget]:
+    """Checkpoint module name -> the fused target it belongs to."""
+    return {part: t for t in targets.values() for part, _ in t.parts}
 
 
 def stack_adapters(name: str, adapters: list[LoRAAdapter]) -> LoRAAdapter:
@@ -148,7 +161,7 @@ def stack_adapters(name: str, adapters: list[LoRAAdapter]) -> LoRAAdapter:
 
 
 def _fuse(target: LoRATarget, pairs: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
-          file: Path) -> tuple[torch.Tensor, torch.Tensor]:
+          file: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused module's (A, B): the targeted parts' A stacked, their B block-diagonal and scaled."""
     present = [(part, rows) for part, rows in target.parts if part in pairs]
     out = sum(rows for _, rows in target.parts)
