@@ -95,6 +95,7 @@ def main() -> None:
             outs = engine.generate(prompts, params, use_tqdm=False, lora_request=loras if engine is llm else None)
             elapsed = time.perf_counter() - t0
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            print(f"    round {len(rates[name]) - 1}: {name}: {rates[name][-1]:.1f} tok/s", flush=True)
     print(f"model {Path(model).name}, {args.streams} streams x {args.tokens} tokens, rank {args.rank}, "
           f"{torch.get_num_threads()} threads, --cpu-activations {args.cpu_activations}, median of {args.rounds}")
     base = statistics.median(rates["base"][1:])
