@@ -102,20 +102,18 @@ def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
     return out
 
 
-def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], n: int):
-    """transformers (+ peft) float32 greedy tokens, and the log-softmax at each step."""
+def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], tokens: list[int]):
+    """transformers (+ peft) float32 at each output position given ``tokens`` as the output so far
+    (one forward, teacher-forced): its greedy token and log-softmax per position. Where the
+    greedy tokens equal ``tokens`` they are the reference's own greedy output."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(base, str(adapter)) if adapter else base
-    ids, tokens, logprobs = list(prompt_ids), [], []
     try:
         with torch.no_grad():
-            for _ in range(n):
-                lp = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
-                tokens.append(int(lp.argmax()))
-                logprobs.append(lp)
-                ids.append(tokens[-1])
+            logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0]
     finally:
         if adapter:
             model.unload()
-    return tokens, logprobs
+    lps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float().log_softmax(-1)
+    return [int(t) for t in lps.argmax(-1)], list(lps)

@@ -43,8 +43,8 @@ def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[
     assert llm.engine.runner.route_counts["eager"] > 0
     first_step: dict[tuple[str | None, str], torch.Tensor] = {}
     for (name, prompt), out in zip(jobs, outs):
-        ref_tokens, ref_lps = reference(base, adapters.get(name), out.prompt_token_ids, NEW_TOKENS)
         got = out.outputs[0].token_ids
+        ref_tokens, ref_lps = reference(base, adapters.get(name), out.prompt_token_ids, got)
         print(assert_greedy_match(ref_tokens, got, lambda i: ref_lps[i], f"{label}/{name}"))
         for i, (token, entry) in enumerate(zip(got, out.outputs[0].logprobs)):
             if got[: i + 1] != ref_tokens[: i + 1]:
@@ -127,10 +127,18 @@ def test_max_cpu_loras_reloads_evicted_adapters(tiny_adapters):
     first = [llm.generate("Once upon a time", params, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
              for r in requests]
     assert len(llm.engine.lora_manager._resident) == 1
-    # one resident adapter at a time, one adapter per batch: a mixed batch still completes, each
-    # request with its own adapter's tokens
-    outs = llm.generate(["Once upon a time"] * 3, params, use_tqdm=False, lora_request=requests)
+    # one resident adapter at a time, one adapter per batch (--max-loras 1): a mixed batch still
+    # completes, each request with its own adapter's tokens
+    state = llm.engine.lora_manager.state
+    per_step: list[set[int]] = []
+    begin = state.begin_step
+    state.begin_step = lambda rows, keep: (per_step.append({s for s in rows if s >= 0}), begin(rows, keep))[1]
+    try:
+        outs = llm.generate(["Once upon a time"] * 3, params, use_tqdm=False, lora_request=requests)
+    finally:
+        del state.begin_step
     assert [o.outputs[0].token_ids for o in outs] == first
+    assert per_step and all(len(slots) == 1 for slots in per_step)
 
 
 def _corrupt(src: Path, dst: Path) -> Path:
@@ -272,10 +280,20 @@ def test_gguf_lora_adapter_matches_peft(tiny_llm, tiny_adapters, smollm2_path, t
         ids = tok.encode(prompt)
         out = tiny_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False,
                                 lora_request=LoRARequest("gguf-all", 50, str(path)))[0].outputs[0]
-        ref_tokens, ref_lps = reference(base, adapters["all"], ids, NEW_TOKENS)
+        ref_tokens, ref_lps = reference(base, adapters["all"], ids, out.token_ids)
         assert out.token_ids == ref_tokens
         for i, (t, entry) in enumerate(zip(ref_tokens, out.logprobs)):
             assert abs(entry[t].logprob - ref_lps[i][t].item()) < 1e-4
     with pytest.raises(LoRAError, match="not a GGUF LoRA adapter"):
         tiny_llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False,
                           lora_request=LoRARequest("model-file", 51, str(smollm2_path)))
+
+
+def test_lora_modules_flag_forms():
+    from tianxia.config import parse_lora_modules
+
+    assert parse_lora_modules(["a=/x/a", '{"name": "b", "path": "/x/b", "base_model_name": "m"}']) == [
+        ("a", "/x/a"), ("b", "/x/b")]
+    for bad in ("no-equals", "=path", '{"name": "b"}', "{not json"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])

@@ -367,7 +367,7 @@ def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
                 obj = json.loads(item)
             except ValueError as e:
                 raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("path"), str)):
                 raise ValueError(f'--lora-modules: {item!r} needs "name" and "path" strings')
             out.append((obj["name"], obj["path"]))
         else:

@@ -46,7 +46,8 @@ def load_gguf_adapter(name: str, path: str | Path, config: ModelConfig, targets:
         pairs.setdefault(module, {})["A" if kind == "lora_a" else "B"] = tensor
     ranks = {ab["A"].shape[0] for ab in pairs.values() if "A" in ab}
     if len(ranks) != 1:
-        raise LoRAError(f"{path}: " + ("no LoRA tensors" if not ranks else f"modules of different ranks {sorted(ranks)}"))
+        why = "no LoRA tensors" if not ranks else f"modules of different ranks {sorted(ranks)}"
+        raise LoRAError(f"{path}: {why}")
     rank = ranks.pop()
     alpha = float(f.metadata("adapter.lora.alpha", 0.0))
     # llama.cpp: scale * alpha / rank, or scale alone when the file has no alpha
