@@ -383,7 +383,7 @@ class LLMEngine:
         if req.lora_name not in manager.paths:
             if not req.lora_path:
                 raise LoRAUnknownError(f"no LoRA adapter named {req.lora_name!r} is loaded")
-            manager.add(req.lora_name, req.lora_path)
+            manager.add(req.lora_name, req.lora_path, self.scheduler.lora_slots_in_use())
         elif req.lora_path and req.lora_path != manager.paths[req.lora_name]:
             raise ValueError(f"LoRA adapter {req.lora_name!r} is already loaded from {manager.paths[req.lora_name]}")
         return manager.acquire(req.lora_name, self.scheduler.lora_slots_in_use())
@@ -394,7 +394,7 @@ class LLMEngine:
         LoRAError."""
         if self.lora_manager is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
-        self.lora_manager.add(name, path)
+        self.lora_manager.add(name, path, self.scheduler.lora_slots_in_use())
 
     def remove_lora(self, name: str) -> bool:
         return self.lora_manager is not None and self.lora_manager.remove(name)

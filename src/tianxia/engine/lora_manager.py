@@ -64,9 +64,10 @@ class LoRAManager:
         """Each adapter's (first) file."""
         return {name: src[0][0] for name, src in self.sources.items()}
 
-    def add(self, name: str, path: str | list[tuple[str, float]]) -> None:
+    def add(self, name: str, path: str | list[tuple[str, float]], pinned: set[int]) -> None:
         """Register (and load, to check it) an adapter: one path, or several (path, scale) whose
-        deltas are summed; a bad one raises :class:`LoRAError`."""
+        deltas are summed; a bad one raises :class:`LoRAError`. ``pinned``: as for
+        :meth:`acquire`."""
         if not name:
             raise LoRAError("an adapter needs a name")
         if name in self.sources:
@@ -75,7 +76,7 @@ class LoRAManager:
         adapter = self._read(name, sources)
         slot = next(self._slots)
         self.sources[name], self.slot_of[name] = sources, slot
-        self._hold(slot, adapter, pinned=set())
+        self._hold(slot, adapter, pinned)
         logger.info("LoRA adapter %r (rank %d, %.1f MiB) from %s", name, adapter.rank, adapter.nbytes / 2**20,
                     ", ".join(p for p, _ in sources))
 
