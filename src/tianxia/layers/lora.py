@@ -5,7 +5,8 @@ An adapter is read from a PEFT directory (``adapter_config.json`` + ``adapter_mo
 into one pair of matrices per fused module of the base (``qkv_proj``, ``o_proj``,
 ``gate_up_proj``, ``down_proj``): the parts' ``A`` stacked (``[R, in]``) and their ``B`` as one
 block-diagonal ``[out, R]`` matrix with the scaling folded in, so a fused module's delta is two
-products whatever subset of its parts the adapter targets.
+products whatever subset of its parts the adapter targets. (``loader/gguf_lora.py`` reads
+llama.cpp's GGUF adapters into the same form through :func:`build_adapter`.)
 
 A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): the runner orders
 them by adapter, each adapter present multiplies its own run of rows in place, and the base rows
