@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from tianxia.engine import faults
 from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import LLMEngine, PromptType
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
 
@@ -242,7 +243,8 @@ class EngineClient:
         return snap
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue:
         """Queue a request; returns once the engine accepted it (``ValueError`` if it did not)."""
         if request_id in self._streams:
@@ -258,7 +260,7 @@ class EngineClient:
         with self._count_lock:
             self._pending_adds += 1
         try:
-            self._send(("add", request_id, prompt, params, time.monotonic(), fut))
+            self._send(("add", request_id, prompt, params, time.monotonic(), lora_request, fut))
         except BaseException:
             with self._count_lock:
                 self._pending_adds -= 1  # never queued
@@ -547,12 +549,12 @@ class AsyncLLMEngine(EngineClient):
                 break
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, arrival, fut = cmd
+                _, rid, prompt, params, arrival, lora_request, fut = cmd
                 adds_taken += 1
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, lora_request)
                 except Exception as e:  # noqa: BLE001 - goes back to the caller
                     done.append((fut, None, e))
                 else:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from tianxia.config import EngineConfig, ModelConfig
     from tianxia.engine.llm_engine import LLMEngine
+    from tianxia.engine.lora_manager import LoRAManager
 
 
 @dataclass
@@ -27,12 +28,16 @@ class EngineInfo:
     max_model_len: int
     num_blocks: int
     num_usable_blocks: int
+    # the engine's LoRA adapter registry, where the engine runs on a thread of this process
+    # (--enable-lora keeps it there); None otherwise
+    lora_manager: LoRAManager | None = None
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         return cls(engine.tokenizer, engine.chat_template, Path(engine.model_path),
                    engine.model_config, engine.config, engine.max_model_len,
-                   engine.block_manager.num_blocks, engine.block_manager.num_usable_blocks)
+                   engine.block_manager.num_blocks, engine.block_manager.num_usable_blocks,
+                   engine.lora_manager)
 
     def facts(self) -> dict[str, Any]:
         """The plain-data part, which an engine core process sends when it is ready."""

@@ -358,6 +358,35 @@ def _openai_routes(registry: ModelRegistry) -> APIRouter:
     return router
 
 
+def _lora_routes(registry: ModelRegistry) -> APIRouter:
+    """vLLM's runtime adapter updates, ``POST /v1/load_lora_adapter`` (``{"lora_name",
+    "lora_path"}``) and ``/v1/unload_lora_adapter`` (``{"lora_name"}``): a 404, as vLLM's absent
+    routes, unless the server runs with ``--allow-runtime-lora-updating``."""
+    router = APIRouter()
+
+    async def update(raw: Request, load: bool) -> Response:
+        data = await _json_object(raw)
+        async with registry.use(data.get("model") if isinstance(data.get("model"), str) else None) as s:
+            if not s.state.allow_runtime_lora_updating:
+                raise APIError(404, "runtime LoRA updates are off: start the server with "
+                                    "--allow-runtime-lora-updating", code="not_found")
+            if load:
+                text = await s.models.load_lora_adapter(s.engine, data)
+            else:
+                text = await s.models.unload_lora_adapter(s.engine, data)
+        return Response(text, media_type="text/plain")
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request) -> Response:
+        return await update(raw, load=True)
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request) -> Response:
+        return await update(raw, load=False)
+
+    return router
+
+
 def _router_routes(registry: ModelRegistry) -> APIRouter:
     """llama.cpp's router routes: ``GET /models``, ``POST /models/load`` and ``/models/unload``
     (``{"model": NAME}``, answered ``{"success": true}``)."""
@@ -503,6 +532,7 @@ def build_app(
     )
     app.include_router(_probe_routes(registry, state, metrics))
     app.include_router(_openai_routes(registry))
+    app.include_router(_lora_routes(registry))
     if registry.router:
         app.include_router(_router_routes(registry))
     app.include_router(_tokenize_routes(registry))

@@ -21,9 +21,12 @@ from tianxia.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    add_lora_args,
     add_quantization_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
+    lora_from_args,
+    parse_lora_modules,
     parse_size,
     speculative_from_args,
 )
@@ -152,6 +155,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="CPU intra-op threads (default: the physical cores)")
     add_quantization_args(p)
     add_speculative_args(p)
+    add_lora_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -371,6 +375,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),
+        lora=lora_from_args(args),
     )
 
 
@@ -452,11 +457,20 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
         raise ValueError("--data-parallel-size must be at least 1")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size needs --engine-core process")
-    if args.engine_core == "thread":
+    if config.lora is not None and args.data_parallel_size > 1:
+        raise ValueError("--enable-lora serves its adapters from one engine: it does not combine "
+                         "with --data-parallel-size")
+    if args.engine_core == "thread" or config.lora is not None:
         from tianxia.engine.async_engine import build_off_main_thread
         from tianxia.engine.llm_engine import LLMEngine
 
-        return _async_engine(args, build_off_main_thread(lambda: LLMEngine(config)), on_dead)
+        if args.engine_core == "process":
+            # the adapter registry and the runtime load/unload live beside the engine
+            logger.info("--enable-lora: the engine runs on a thread of the server (--engine-core thread)")
+        engine = build_off_main_thread(lambda: LLMEngine(config))
+        for name, path in parse_lora_modules(args.lora_modules):
+            engine.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
+        return _async_engine(args, engine, on_dead)
     from tianxia.engine.core_client import EngineCoreClient
 
     # started from the main thread: a core's PR_SET_PDEATHSIG follows the thread that made it
@@ -481,6 +495,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
     pooler = PoolerConfig.parse(args.pooler_config)
     config = engine_config(args, model)
     async_engine = _engine_client(args, config, on_dead)
+    state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
     names = args.served_model_name or [model]
     metrics = ServerMetrics(
         names[0],
@@ -532,6 +547,8 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             "--engine-core process and --data-parallel-size serve a single model; with several "
             "models each runs on a thread of the server"
         )
+    if args.enable_lora:
+        raise ValueError("--enable-lora serves adapters over the one model of a single-model server")
     if args.models_max < 1:
         raise ValueError("--models-max must be at least 1")
     if not args.models_load_timeout > 0:

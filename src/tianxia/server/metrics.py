@@ -8,6 +8,8 @@ sequences each engine step ran, so one can see that concurrent requests share st
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,6 +157,23 @@ class _EngineCollector(Collector):
                 per_pos.add_metric([model, str(pos)], n)
         yield per_pos
 
+    def _lora(self, stats: dict[str, dict]):
+        """vLLM's ``lora_requests_info`` (one sample, its labels the adapters in use) and
+        requests per adapter, for the models that serve adapters."""
+        lora = {m: s for m, s in stats.items() if "lora_requests_total" in s}
+        if not lora:
+            return
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        total = CounterMetricFamily("tianxia:lora_requests", "Requests per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for model, s in lora.items():
+            info.add_metric([model, s["lora_running"], s["lora_waiting"], str(s["max_lora"])], time.time())
+            for name, n in s["lora_requests_total"].items():
+                total.add_metric([model, name], n)
+        yield info
+        yield total
+
     def collect(self):
         engines = dict(self.engines)  # models may load or unload while we scrape
         stats = {m: src.stats() for m, src in engines.items()}
@@ -195,6 +214,7 @@ class _EngineCollector(Collector):
                            "Tokens the KV cache holds (its usable blocks x block size).",
                            per_model("kv_cache_capacity_tokens"))
         yield from self._spec_decode(stats)
+        yield from self._lora(stats)
         yield self._family(gauge, "tianxia:step_num_seqs_max",
                            "Most sequences that ran together in one engine step since start.",
                            {m: src.max_step_seqs() for m, src in engines.items()})
