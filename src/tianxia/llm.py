@@ -47,6 +47,9 @@ class LLM:
         cpu_activations: str = "int8",
         batch_invariant: bool = False,
         speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -60,6 +63,9 @@ class LLM:
             cpu_activations=cpu_activations,
             batch_invariant=batch_invariant,
             speculative=SpeculativeConfig.parse(speculative_config),
+            tensor_parallel_size=tensor_parallel_size,
+            master_addr=master_addr,
+            master_port=master_port,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),

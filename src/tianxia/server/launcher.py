@@ -22,6 +22,7 @@ from tianxia.config import (
     EngineConfig,
     SchedulerConfig,
     add_quantization_args,
+    add_parallel_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
     parse_size,
@@ -152,6 +153,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="CPU intra-op threads (default: the physical cores)")
     add_quantization_args(p)
     add_speculative_args(p)
+    add_parallel_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -354,6 +356,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 

@@ -1,0 +1,297 @@
+"""Tensor parallelism over ``torch.distributed``: rank 0 is the engine's own process, ranks
+1..N-1 are worker processes it spawns, each holding its shard of the model and of the KV cache.
+
+The scheduler runs once, on rank 0. Each forward pass the runner makes goes to the workers first
+as plain data over a pipe (token ids, positions, the attention metadata with its slot mapping and
+block tables, the rows to keep), so every rank runs the same step on its shard; the collectives
+inside the model (an all-reduce after o and down, after the embedding, an all-gather of the
+logits) keep them in lockstep. Every rank's cache has the same blocks, so the block tables of
+rank 0 index all of them. Pipes rather than a broadcast carry the inputs: an idle worker waits on
+its pipe without a collective that would time out, and sees its end close when rank 0 is gone.
+
+A collective that waits longer than ``TIANXIA_TP_TIMEOUT`` seconds (default 60) raises, and a
+watchdog on rank 0 ends the process within a second of a worker dying, naming the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from tianxia.config import EngineConfig
+from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
+from tianxia.engine.model_runner import ModelRunner
+from tianxia.layers.attention import AttentionMetadata
+from tianxia.loader import LoadedModel, load_model as load_whole_model
+
+logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 600.0  # a worker loads the whole model before sharding it
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("TIANXIA_TP_TIMEOUT", "60")))
+
+
+def free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def check_port(addr: str, port: int) -> None:
+    """A clear error for a rendezvous port that is taken, before any process starts."""
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            raise ValueError(f"--master-port {port} on {addr} is in use ({e.strerror}); choose another "
+                             "port or leave --master-port out to pick a free one") from None
+
+
+def cpu_shares(world_size: int) -> list[list[int]]:
+    """Each rank's share of the cores this process may run on (empty lists when there are fewer
+    cores than ranks: no binding)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < world_size:
+        return [[] for _ in range(world_size)]
+    per = len(cpus) // world_size
+    return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
+
+
+def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.dtype,
+                device: torch.device) -> LoadedModel:
+    from tianxia.layers.attention import get_backend
+
+    loaded = load_whole_model(config.model, dtype=dtype, device=device, backend=get_backend(device),
+                              quantization="none")
+    check_supported(loaded.config, world_size)
+    shard_llama(loaded.model, rank, world_size)
+    loaded.config = rank_config(loaded.config, world_size)
+    return loaded
+
+
+# --- workers ----------------------------------------------------------------------------------------
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | str, cpus: list[int], threads: int, conn: Connection,
+                 log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
+    device = torch.device("cpu")
+    try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=collective_timeout())
+        loaded = _load_shard(config, rank, world_size, dtype, device)
+        runner = ModelRunner(loaded.model, loaded.config, config.cache, device, kv_dtype)
+        from tianxia.quant import cpu_kernels
+
+        cpu_kernels.extension()
+        conn.send(("ready", runner.num_blocks))
+    except Exception as e:  # rank 0 reports it and stops
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    _serve(loaded.model, runner, conn)
+
+
+@torch.inference_mode()
+def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
+    """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "forward":
+            _, ids, pos, meta, keep = msg
+            model(ids, pos, runner.kv_caches, meta, keep)
+        elif kind == "logits":
+            model.compute_logits(msg[1])
+        elif kind == "copy":
+            for src, dst in msg[1]:
+                runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
+        elif kind == "stop":
+            return
+
+
+class WorkerGroup:
+    """Ranks 1..N-1: their processes and pipes, and the watchdog that stops rank 0 when one dies."""
+
+    def __init__(self, procs: list, conns: list[Connection]) -> None:
+        self.procs, self.conns = procs, conns
+        self._closing = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop_workers, procs, conns, self._closing)
+
+    def send(self, msg: tuple) -> None:
+        for conn in self.conns:
+            conn.send(msg)
+
+    def wait_ready(self, num_blocks: int) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.2):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
+                                       "while loading the model")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not load the model in {_READY_TIMEOUT_S:.0f}s")
+            kind, value = conn.recv()
+            if kind == "error":
+                raise ValueError(f"tensor-parallel rank {rank}: {value}")
+            if value != num_blocks:
+                raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
+            logger.info("tensor parallel: rank %d ready (pid %d)", rank, proc.pid)
+
+    def start_watchdog(self) -> None:
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(0.2):
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.is_alive() or self._closing.is_set():
+                    continue
+                msg = (f"error: tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                       f"{proc.exitcode}; the engine stops")
+                logger.error(msg)
+                print(msg, file=sys.stderr, flush=True)
+                _stop_workers(self.procs, self.conns, self._closing)
+                os._exit(1)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event) -> None:
+    closing.set()
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- rank 0 -----------------------------------------------------------------------------------------
+
+
+class TensorParallelModel:
+    """Rank 0's model: each call sends the same call's inputs to the workers, then runs its own
+    shard. It offers what the runner asks of a model (:class:`tianxia.models.base.CausalLM`)."""
+
+    keeps_rows = True
+
+    def __init__(self, model: torch.nn.Module, workers: WorkerGroup) -> None:
+        self.model, self.workers = model, workers
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        self.workers.send(("forward", input_ids, positions, meta, keep))
+        return self.model(input_ids, positions, kv_caches, meta, keep)
+
+    forward = __call__
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.workers.send(("logits", hidden))
+        return self.model.compute_logits(hidden)
+
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
+        logger.info("tensor parallel: decode steps run the module forward (no fused step)")
+        return None
+
+    def cuda_graph_unsafe_reason(self) -> str | None:
+        return "tensor parallelism runs eagerly"
+
+    def modules(self):
+        return self.model.modules()
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+class TensorParallelRunner(ModelRunner):
+    """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache."""
+
+    def execute(self, scheduled, copies=(), forks=None):
+        if copies:
+            self.model.workers.send(("copy", list(copies)))
+        return super().execute(scheduled, copies, forks)
+
+
+def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
+               kv_dtype: torch.dtype | str) -> LoadedModel:
+    """Start ranks 1..N-1, load and shard rank 0's model; the returned model drives the workers.
+
+    Workers load while rank 0 does; the engine waits for them in :func:`wait_for_workers`.
+    """
+    from tianxia.loader import load_model_config
+
+    world = config.tensor_parallel_size
+    if device.type != "cpu":
+        raise ValueError("--tensor-parallel-size runs on CPU (gloo) so far; use --device cpu")
+    if config.quantization not in ("auto", "none"):
+        raise ValueError(f"--quantization {config.quantization} is not available with tensor parallelism; "
+                         "its ranks shard float weights (use auto or none)")
+    full = load_model_config(config.model)
+    check_supported(full, world)
+    addr = config.master_addr
+    port = config.master_port
+    if port is None:
+        port = free_port(addr)
+    else:
+        check_port(addr, port)
+    init_method = f"tcp://{addr}:{port}"
+    shares = cpu_shares(world)
+    threads = max(1, (config.threads or len(os.sched_getaffinity(0))) // world)
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in range(1, world):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_worker_main, name=f"tianxia-tp-rank{rank}", daemon=True,
+            args=(rank, world, init_method, config, dtype, kv_dtype, shares[rank], threads, child,
+                  logging.getLogger().level),
+        )
+        proc.start()
+        child.close()
+        procs.append(proc)
+        conns.append(parent)
+    workers = WorkerGroup(procs, conns)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
+                            timeout=collective_timeout())
+    loaded = _load_shard(config, 0, world, dtype, device)
+    logger.info("tensor parallel: %d ranks on %s, %d threads each; rank 0 holds %d of %d KV heads",
+                world, init_method, threads, loaded.config.num_key_value_heads,
+                full.num_key_value_heads)
+    loaded.model = TensorParallelModel(loaded.model, workers)
+    return loaded
+
+
+def wait_for_workers(runner: ModelRunner) -> None:
+    """Block until every worker has its shard and its KV cache, then watch them."""
+    workers: WorkerGroup = runner.model.workers
+    workers.wait_ready(runner.num_blocks)
+    workers.start_watchdog()
+
+
+__all__ = ["TensorParallelModel", "TensorParallelRunner", "load_model", "wait_for_workers"]
