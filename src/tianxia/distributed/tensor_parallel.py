@@ -94,6 +94,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
+        conn.send(("started", None))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=collective_timeout())
         loaded = _load_shard(config, rank, world_size, dtype, device)
@@ -141,19 +142,33 @@ class WorkerGroup:
         for conn in self.conns:
             conn.send(msg)
 
-    def wait_ready(self, num_blocks: int) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
+    def wait_for(self, expected: str, timeout_s: float) -> list:
+        """Each worker's next message, which must be ``expected``; a worker that dies first, or
+        reports an error, or takes longer than ``timeout_s`` is an error naming its rank."""
+        deadline = time.monotonic() + timeout_s
+        values = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.2):
                 if not proc.is_alive():
+                    self.close()
                     raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
-                                       "while loading the model")
+                                       "while starting")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not load the model in {_READY_TIMEOUT_S:.0f}s")
+                    self.close()
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start in {timeout_s:.0f}s")
             kind, value = conn.recv()
             if kind == "error":
+                self.close()
                 raise ValueError(f"tensor-parallel rank {rank}: {value}")
+            assert kind == expected, (kind, expected)
+            values.append(value)
+        return values
+
+    def wait_ready(self, num_blocks: int) -> None:
+        blocks = self.wait_for("ready", _READY_TIMEOUT_S)
+        for rank, (value, proc) in enumerate(zip(blocks, self.procs), start=1):
             if value != num_blocks:
+                self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
             logger.info("tensor parallel: rank %d ready (pid %d)", rank, proc.pid)
 
@@ -276,6 +291,7 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
         procs.append(proc)
         conns.append(parent)
     workers = WorkerGroup(procs, conns)
+    workers.wait_for("started", _READY_TIMEOUT_S)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
                             timeout=collective_timeout())
