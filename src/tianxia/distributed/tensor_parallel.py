@@ -173,22 +173,25 @@ class WorkerGroup:
             logger.info("tensor parallel: rank %d ready (pid %d)", rank, proc.pid)
 
     def start_watchdog(self) -> None:
-        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._closing.wait(0.2):
-            for rank, proc in enumerate(self.procs, start=1):
-                if proc.is_alive() or self._closing.is_set():
-                    continue
-                msg = (f"error: tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                       f"{proc.exitcode}; the engine stops")
-                logger.error(msg)
-                print(msg, file=sys.stderr, flush=True)
-                _stop_workers(self.procs, self.conns, self._closing)
-                os._exit(1)
+        # the thread holds the processes, not the group, so a dropped engine still finalizes it
+        threading.Thread(target=_watch, args=(self.procs, self.conns, self._closing),
+                         name="tp-watchdog", daemon=True).start()
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _watch(procs: list, conns: list[Connection], closing: threading.Event) -> None:
+    while not closing.wait(0.2):
+        for rank, proc in enumerate(procs, start=1):
+            if proc.is_alive() or closing.is_set():
+                continue
+            msg = (f"error: tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                   f"{proc.exitcode}; the engine stops")
+            logger.error(msg)
+            print(msg, file=sys.stderr, flush=True)
+            _stop_workers(procs, conns, closing)
+            os._exit(1)
 
 
 def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event) -> None:
