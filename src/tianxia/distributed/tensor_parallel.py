@@ -23,15 +23,16 @@ import sys
 import threading
 import time
 import weakref
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
-from tianxia.config import EngineConfig
+from tianxia.config import CacheConfig, EngineConfig
 from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
-from tianxia.engine.model_runner import ModelRunner
+from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.loader import LoadedModel, load_model as load_whole_model
 
@@ -78,14 +79,15 @@ def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.d
                               quantization="none")
     check_supported(loaded.config, world_size)
     shard_llama(loaded.model, rank, world_size)
-    loaded.config = rank_config(loaded.config, world_size)
+    loaded.config = rank_config(loaded.config, rank, world_size)
     return loaded
 
 
 # --- workers ----------------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, dtype: torch.dtype,
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, cache: CacheConfig,
+                 dtype: torch.dtype,
                  kv_dtype: torch.dtype | str, cpus: list[int], threads: int, conn: Connection,
                  log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
@@ -98,7 +100,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=collective_timeout())
         loaded = _load_shard(config, rank, world_size, dtype, device)
-        runner = ModelRunner(loaded.model, loaded.config, config.cache, device, kv_dtype)
+        runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
         from tianxia.quant import cpu_kernels
 
         cpu_kernels.extension()
@@ -279,6 +281,10 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
         check_port(addr, port)
     init_method = f"tcp://{addr}:{port}"
     shares = cpu_shares(world)
+    # every rank's cache has the same blocks, sized by rank 0's, which holds the most KV heads
+    per_block = kv_bytes_per_token(rank_config(full, 0, world), kv_dtype) * config.cache.block_size
+    cache = replace(config.cache, num_blocks=config.cache.num_blocks
+                    or max(1, config.cache.kv_cache_memory // per_block))
     threads = max(1, (config.threads or len(os.sched_getaffinity(0))) // world)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
@@ -286,7 +292,7 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=_worker_main, name=f"tianxia-tp-rank{rank}", daemon=True,
-            args=(rank, world, init_method, config, dtype, kv_dtype, shares[rank], threads, child,
+            args=(rank, world, init_method, config, cache, dtype, kv_dtype, shares[rank], threads, child,
                   logging.getLogger().level),
         )
         proc.start()
