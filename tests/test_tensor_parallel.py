@@ -33,9 +33,9 @@ PROMPTS = [
 LOGPROB_TOL = 1e-4
 
 
-def _generate(model: str, tp: int, **kwargs) -> list:
+def _generate(model: str, tp: int, quantization: str = "none", **kwargs) -> list:
     llm = LLM(model, tensor_parallel_size=tp, kv_cache_memory="64MiB", max_model_len=512,
-              max_num_batched_tokens=24, quantization="none", cpu_activations="float32", **kwargs)
+              max_num_batched_tokens=24, quantization=quantization, cpu_activations="float32", **kwargs)
     greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=4)
     forked = SamplingParams(temperature=0, max_tokens=6, n=2, logprobs=4)
     try:
@@ -70,6 +70,12 @@ def test_kv_heads_replicated_when_ranks_exceed_them(tmp_path, tiny_tokenizer_dir
 def test_smollm2_tp2_equals_tp1(smollm2_path):
     """SmolLM2-135M's 3 KV heads (9 query heads) split unevenly: rank 0 holds 2, rank 1 one."""
     _assert_same(_generate(str(smollm2_path), 1), _generate(str(smollm2_path), 2))
+
+
+def test_smollm2_packed_gguf_tp2_equals_tp1(smollm2_path):
+    """Q4_1 projections and a Q8_0 tied embedding stay packed: each rank keeps whole rows and
+    whole 32-value blocks."""
+    _assert_same(_generate(str(smollm2_path), 1, "auto"), _generate(str(smollm2_path), 2, "auto"))
 
 
 def test_indivisible_heads_is_a_clear_error(family_dirs):

@@ -76,9 +76,11 @@ def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.d
     from tianxia.layers.attention import get_backend
 
     loaded = load_whole_model(config.model, dtype=dtype, device=device, backend=get_backend(device),
-                              quantization="none")
+                              quantization=config.quantization)
     check_supported(loaded.config, world_size)
     shard_llama(loaded.model, rank, world_size)
+    # the sharded modules are new: they take the activation mode now
+    loaded.model.int8_activations = config.cpu_activations == "int8"
     loaded.config = rank_config(loaded.config, rank, world_size)
     return loaded
 
@@ -268,9 +270,6 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     world = config.tensor_parallel_size
     if device.type != "cpu":
         raise ValueError("--tensor-parallel-size runs on CPU (gloo) so far; use --device cpu")
-    if config.quantization not in ("auto", "none"):
-        raise ValueError(f"--quantization {config.quantization} is not available with tensor parallelism; "
-                         "its ranks shard float weights (use auto or none)")
     full = load_model_config(config.model)
     check_supported(full, world)
     addr = config.master_addr
