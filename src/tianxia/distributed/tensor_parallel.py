@@ -34,7 +34,8 @@ from tianxia.config import CacheConfig, EngineConfig
 from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.loader import LoadedModel, load_model as load_whole_model
+from tianxia.loader import LoadedModel, release_freed_memory
+from tianxia.loader import load_model as load_whole_model
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.d
     shard_llama(loaded.model, rank, world_size)
     # the sharded modules are new: they take the activation mode now
     loaded.model.int8_activations = config.cpu_activations == "int8"
+    release_freed_memory()  # the other ranks' slices
     loaded.config = rank_config(loaded.config, rank, world_size)
     return loaded
 
