@@ -1,9 +1,9 @@
 """Tensor parallelism on CPU: TP=2 (two processes, one core's worth of threads each, gloo
-all-reduces) against TP=1 (one process, all the threads), SmolLM2-135M dequantized to float32 in
-both (TP shards float weights). Both engines live in one process and the rounds alternate, so a
-busy spell of a shared machine falls on both.
+all-reduces) against TP=1 (one process, all the threads), on SmolLM2-135M as its GGUF file
+stores it (Q4_1, packed) or dequantized (``--quantization none``). Both engines live in one
+process and the rounds alternate, so a busy spell of a shared machine falls on both.
 
-    PYTHONPATH=src python benchmarks/tp_cpu.py --rounds 5
+    PYTHONPATH=src python benchmarks/tp_cpu.py --rounds 5 [--quantization none]
 
 Cases: a 128-token prompt (tokens/s of one forward pass), one stream generating 32 tokens after
 the first, 8 streams together. Each decode step of a TP=2 engine sends the step's inputs down a
@@ -28,9 +28,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="threads of the TP=1 engine; TP=N gets threads/N per rank")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--cpu-activations", default="int8")
     args = ap.parse_args()
-    common = dict(threads=args.threads, kv_cache_memory="128MiB", max_model_len=1024, quantization="none",
-                  cpu_activations="float32", enable_prefix_caching=False)
+    common = dict(threads=args.threads, kv_cache_memory="128MiB", max_model_len=1024,
+                  quantization=args.quantization, cpu_activations=args.cpu_activations,
+                  enable_prefix_caching=False)
     engines = {1: LLM(args.model, **common), 2: LLM(args.model, tensor_parallel_size=2, **common)}
     ids = engines[1].get_tokenizer().encode(TEXT)
     short = ids[:8]
@@ -48,7 +51,8 @@ def main() -> None:
     }
     for llm in engines.values():  # warm-up
         run(llm, [short], 4)
-    print(f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; medians of {args.rounds} "
+    print(f"{args.model}, --quantization {args.quantization}, --cpu-activations {args.cpu_activations}; "
+          f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; medians of {args.rounds} "
           "alternating rounds\n")
     print("| case | TP=1 | TP=2 | TP=2 / TP=1 [per round] |\n|---|---|---|---|")
     for name, fn in cases.items():
