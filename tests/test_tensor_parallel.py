@@ -92,6 +92,18 @@ def test_port_in_use_is_a_clear_error(family_dirs):
             LLM(str(family_dirs("llama")), tensor_parallel_size=2, master_port=port)
 
 
+def test_a_hung_rank_times_out_with_its_name(family_dirs, monkeypatch):
+    monkeypatch.setenv("TIANXIA_TP_TIMEOUT", "3")
+    llm = LLM(str(family_dirs("llama")), tensor_parallel_size=2, kv_cache_memory="16MiB")
+    worker = llm.engine.runner.model.workers.procs[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) stopped; collectives time out after 3s"):
+        llm.generate("the fox", SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - t0 < 15
+    assert not worker.is_alive()  # stopped with the engine
+
+
 def test_serve_tp2_matches_tp1_then_a_killed_worker_ends_it(smollm2_path):
     prompt = "The capital of France is"
     ref = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=512, quantization="none",

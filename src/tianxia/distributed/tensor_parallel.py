@@ -178,6 +178,23 @@ class WorkerGroup:
                 raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
             logger.info("tensor parallel: rank %d ready (pid %d)", rank, proc.pid)
 
+    def describe(self) -> str:
+        """Each worker's state, for an error: running, stopped (a signal), or exited."""
+        states = []
+        for rank, proc in enumerate(self.procs, start=1):
+            state = "running"
+            if not proc.is_alive():
+                state = f"exited with code {proc.exitcode}"
+            else:
+                try:
+                    with open(f"/proc/{proc.pid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                            state = "stopped"
+                except OSError:
+                    pass
+            states.append(f"rank {rank} (pid {proc.pid}) {state}")
+        return ", ".join(states)
+
     def start_watchdog(self) -> None:
         # the thread holds the processes, not the group, so a dropped engine still finalizes it
         threading.Thread(target=_watch, args=(self.procs, self.conns, self._closing),
@@ -211,6 +228,7 @@ def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event
         proc.join(timeout=5)
         if proc.is_alive():
             proc.kill()
+            proc.join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -230,13 +248,28 @@ class TensorParallelModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
         self.workers.send(("forward", input_ids, positions, meta, keep))
-        return self.model(input_ids, positions, kv_caches, meta, keep)
+        try:
+            return self.model(input_ids, positions, kv_caches, meta, keep)
+        except RuntimeError as e:
+            raise self._collective_failed(e) from e
 
     forward = __call__
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.workers.send(("logits", hidden))
-        return self.model.compute_logits(hidden)
+        try:
+            return self.model.compute_logits(hidden)
+        except RuntimeError as e:
+            raise self._collective_failed(e) from e
+
+    def _collective_failed(self, e: RuntimeError) -> RuntimeError:
+        """The ranks are out of step now: the error names their states, and the workers stop."""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        states = self.workers.describe()
+        self.workers.close()
+        return RuntimeError(f"tensor parallel: a collective failed ({first}); {states}; "
+                            f"collectives time out after {collective_timeout().total_seconds():.0f}s "
+                            "(TIANXIA_TP_TIMEOUT); the engine cannot go on")
 
     def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
         logger.info("tensor parallel: decode steps run the module forward (no fused step)")
