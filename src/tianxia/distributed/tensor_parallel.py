@@ -278,8 +278,16 @@ class TensorParallelModel:
     def cuda_graph_unsafe_reason(self) -> str | None:
         return "tensor parallelism runs eagerly"
 
+    # rank 0's own modules and tensors (its share of the weights), for the engine's and the
+    # server's accounting
     def modules(self):
         return self.model.modules()
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def buffers(self):
+        return self.model.buffers()
 
     def close(self) -> None:
         self.workers.close()
