@@ -91,9 +91,8 @@ def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.d
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, cache: CacheConfig,
-                 dtype: torch.dtype,
-                 kv_dtype: torch.dtype | str, cpus: list[int], threads: int, conn: Connection,
-                 log_level: int) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | str, cpus: list[int], threads: int,
+                 conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
     device = torch.device("cpu")
     try:
@@ -327,7 +326,9 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     per_block = kv_bytes_per_token(rank_config(full, 0, world), kv_dtype) * config.cache.block_size
     cache = replace(config.cache, num_blocks=config.cache.num_blocks
                     or max(1, config.cache.kv_cache_memory // per_block))
-    threads = max(1, (config.threads or len(os.sched_getaffinity(0))) // world)
+    from tianxia.engine.llm_engine import default_threads
+
+    threads = max(1, (config.threads or default_threads()) // world)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     for rank in range(1, world):
