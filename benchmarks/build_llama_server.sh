@@ -4,6 +4,7 @@
 #
 #   benchmarks/build_llama_server.sh            # -> /work/llama.cpp-build/bin/llama-server
 #   LLAMA_BUILD_DIR=/elsewhere LLAMA_CPP_PYTHON_VERSION=0.3.36 benchmarks/build_llama_server.sh
+#   TARGETS="llama-server llama-perplexity" benchmarks/build_llama_server.sh   # more of its tools
 #
 # Needs cmake, a C/C++ compiler and pip (for `pip download`). Native CPU flags (GGML_NATIVE=ON),
 # no libcurl (models are local files). Takes ~10-20 minutes on 2 cores.
@@ -12,13 +13,16 @@ set -euo pipefail
 BUILD_ROOT="${LLAMA_BUILD_DIR:-/work/llama.cpp-build}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"        # empty = latest on PyPI
 JOBS="${JOBS:-$(nproc)}"
+TARGETS="${TARGETS:-llama-server}"
 PIP="${PIP:-pip}"
 if [ -x /work/venv/bin/pip ] && [ -z "${PIP_SET:-}" ] && ! command -v "$PIP" >/dev/null 2>&1; then
     PIP=/work/venv/bin/pip
 fi
 
-if [ -x "$BUILD_ROOT/bin/llama-server" ] && [ -z "${FORCE:-}" ]; then
-    echo "already built: $BUILD_ROOT/bin/llama-server (FORCE=1 to rebuild)"
+missing=""
+for t in $TARGETS; do [ -x "$BUILD_ROOT/bin/$t" ] || missing="$missing $t"; done
+if [ -z "$missing" ] && [ -z "${FORCE:-}" ]; then
+    echo "already built: $TARGETS in $BUILD_ROOT/bin (FORCE=1 to rebuild)"
     exit 0
 fi
 
@@ -45,10 +49,13 @@ cmake -S "$LLAMA_SRC" -B "$BUILD_ROOT/build" \
     -DLLAMA_BUILD_SERVER=ON \
     -DBUILD_SHARED_LIBS=OFF
 
-echo ">> building llama-server with $JOBS jobs"
-nice -n 10 cmake --build "$BUILD_ROOT/build" --target llama-server -j "$JOBS"
+echo ">> building $TARGETS with $JOBS jobs"
+# shellcheck disable=SC2086
+nice -n 10 cmake --build "$BUILD_ROOT/build" --target $TARGETS -j "$JOBS"
 
 mkdir -p "$BUILD_ROOT/bin"
-cp "$BUILD_ROOT/build/bin/llama-server" "$BUILD_ROOT/bin/llama-server"
-echo ">> built: $BUILD_ROOT/bin/llama-server"
+for t in $TARGETS; do
+    cp "$BUILD_ROOT/build/bin/$t" "$BUILD_ROOT/bin/$t"
+    echo ">> built: $BUILD_ROOT/bin/$t"
+done
 "$BUILD_ROOT/bin/llama-server" --version 2>&1 | tail -n 2 || true

@@ -80,11 +80,11 @@ def free_memory():
 # --- models ---------------------------------------------------------------------------------------
 
 
-def build_hf(shape: str, device: str, dtype: torch.dtype):
+def build_hf(shape: str, device: str, dtype: torch.dtype, **overrides):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        **{**SHAPES[shape], **overrides}, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
         use_sliding_window=False, bos_token_id=EOS, eos_token_id=EOS, hidden_act="silu",
     )
     torch.manual_seed(0)
@@ -122,26 +122,36 @@ class StubTokenizer:
     def convert_ids_to_tokens(self, ids):
         return ["" for _ in ids]
 
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab)}
+
 
 def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, gpu_util: float | None, kv_memory: int | None,
                  enforce_eager: bool = False, release_hf: bool = False,
                  quantization: str | None = None, batch_invariant: bool = False,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, speculative: dict | None = None,
+                 drafts: dict | None = None):
     """An LLMEngine over a copy of ``hf``'s weights (the loader is patched out). With
     ``release_hf`` the transformers model's tensors are freed once copied, before the engine
-    plans its GPU memory."""
+    plans its GPU memory. ``speculative``: a speculative config, whose draft ``model`` names one
+    of ``drafts`` (name -> a transformers model of the target's vocabulary)."""
     import tianxia.engine.llm_engine as le
-    from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig
+    import tianxia.loader as loader
+    from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from tianxia.loader import LoadedModel
     from tianxia.loader.safetensors import hf_model_config
     from tianxia.models.registry import get_model_class
 
     tmp = Path(tempfile.mkdtemp(prefix="tx-bench-"))
     hf.config.save_pretrained(tmp)
-    mcfg = hf_model_config(tmp)
+    target = hf
 
     def fake_load(spec, *, dtype, device, backend, **_options):
+        hf = (drafts or {}).get(spec, target)
+        where = tmp if hf is target else Path(tempfile.mkdtemp(prefix="tx-draft-"))
+        hf.config.save_pretrained(where)
+        mcfg = hf_model_config(where)
         with torch.device("meta"):
             model = get_model_class(mcfg)(mcfg, backend)
         model.to_empty(device=device)
@@ -152,16 +162,16 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
             from tianxia.quant.channelwise import quantize_model
 
             quantize_model(model, quantization)
-        if release_hf:
+        if release_hf and hf is target:
             for t in (*hf.parameters(), *hf.buffers()):
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             free_memory()
         model.init_buffers(device)
         model.eval()
-        return LoadedModel(model, mcfg, StubTokenizer(mcfg.vocab_size), tmp, None)
+        return LoadedModel(model, mcfg, StubTokenizer(mcfg.vocab_size), where, None)
 
-    orig = le.load_model
-    le.load_model = fake_load
+    orig = le.load_model, loader.load_model
+    le.load_model = loader.load_model = fake_load
     try:
         cache = CacheConfig(block_size=16, gpu_memory_utilization=gpu_util,
                             enable_prefix_caching=enable_prefix_caching,
@@ -171,12 +181,13 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                       max_num_batched_tokens=max_num_batched_tokens),
             enforce_eager=enforce_eager, batch_invariant=batch_invariant,
+            speculative=SpeculativeConfig.parse(speculative),
         )
         t0 = time.perf_counter()
         engine = le.LLMEngine(cfg)
         startup = time.perf_counter() - t0
     finally:
-        le.load_model = orig
+        le.load_model, loader.load_model = orig
     return engine, startup
 
 

@@ -85,3 +85,35 @@ def make_tiny_hf_model(
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
+    """A PEFT adapter over ``base`` with random, non-zero A and B (a trained adapter's shape)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out))
+    model.unload()  # the base's modules back as they were, for the next adapter
+    return out
+
+
+def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int], tokens: list[int]):
+    """transformers (+ peft) float32 at each output position given ``tokens`` as the output so far
+    (one forward, teacher-forced): its greedy token and log-softmax per position. Where the
+    greedy tokens equal ``tokens`` they are the reference's own greedy output."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base, str(adapter)) if adapter else base
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0]
+    finally:
+        if adapter:
+            model.unload()
+    lps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float().log_softmax(-1)
+    return [int(t) for t in lps.argmax(-1)], list(lps)

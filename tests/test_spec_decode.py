@@ -7,6 +7,7 @@ requests keep their grammar; bad configurations are clear errors."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -52,6 +53,25 @@ def test_ngram_proposes_after_the_longest_latest_match():
     assert ngram.propose([5, 6, 7], 4) == []  # no earlier occurrence of any suffix
     assert NgramProposer(2, 3).propose([4, 1, 9, 1], 4) == []  # a 1-token match is below the minimum
     assert ngram.propose([4, 1, 9, 1], 4) == [9, 1]
+
+
+def test_ngram_index_kept_as_a_sequence_grows_equals_a_full_scan():
+    from tianxia.engine.spec_decode.ngram import NgramProposer
+
+    def scan(tokens, k, lo, hi):  # the definition: latest earlier window equal to the suffix
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):
+                if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    rng = random.Random(0)
+    ngram = NgramProposer(2, 5)
+    index = ngram.new_index()
+    tokens = []
+    for _ in range(400):  # a 4-token alphabet: matches of every length, changing as it grows
+        tokens.append(rng.randrange(4))
+        assert ngram.propose(tokens, 3, index) == scan(tokens, 3, 2, 5), len(tokens)
 
 
 def answers(llm: LLM, prompts, params) -> list:

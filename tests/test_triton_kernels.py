@@ -736,12 +736,17 @@ def test_batch_invariant_attention_is_the_same_for_any_batch_or_chunking(dtype, 
 # --- sampling on the device: truncation thresholds and the Gumbel-max draw ---------------------------
 
 
-@pytest.mark.parametrize("direct_top_k", [False, True], ids=["searched", "topk"])
-def test_truncation_thresholds_keep_what_a_full_sort_keeps(monkeypatch, direct_top_k):
+@pytest.mark.parametrize("direct_top_k,slots", [(False, None), (True, None), (False, 2)],
+                         ids=["searched", "topk", "overflow"])
+def test_truncation_thresholds_keep_what_a_full_sort_keeps(monkeypatch, direct_top_k, slots):
     # rows with top-k, top-p, both and neither; one with min-p's -inf holes; nuclei of 1 to ~all;
     # smaller chunks than the kernels' own, so that a row spans several (the last one partly);
-    # top-k found by the search, or read off torch's topk where the largest k is known
+    # top-k found by the search, or read off torch's topk where the largest k is known; with 2
+    # slots a chunk, rows whose interval still holds more logits after the full passes finish the
+    # search over the whole row
     monkeypatch.setattr(triton_sampling, "_CHUNK", 1024)
+    if slots is not None:
+        monkeypatch.setattr(triton_sampling, "_SLOTS", slots)
     g = torch.Generator().manual_seed(0)
     vocab = 3000
     logits = torch.randn(8, vocab, generator=g) * 3

@@ -1,5 +1,6 @@
 """tianxia: an LLM inference engine for GGUF and Hugging Face models."""
 
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.llm import LLM
 from tianxia.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
 from tianxia.sampling_params import BeamSearchParams, SamplingParams
@@ -8,5 +9,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-    "BeamSearchOutput", "Logprob", "__version__",
+    "BeamSearchOutput", "Logprob", "LoRARequest", "__version__",
 ]

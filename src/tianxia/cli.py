@@ -42,6 +42,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="top-p (default: %(default)s)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template overriding the model's")
     p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH",
+                   help="apply a LoRA adapter (a PEFT directory); repeat for several, their deltas add up")
+    p.add_argument("--lora-scaled", nargs=2, action="append", default=[], metavar=("PATH", "SCALE"),
+                   help="apply a LoRA adapter with its delta times SCALE")
 
 
 def _make_llm(args: argparse.Namespace):
@@ -64,7 +68,35 @@ def _make_llm(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        enable_lora=bool(_lora_sources(args)),
+        max_lora_rank=_CLI_MAX_LORA_RANK,
     )
+
+
+# llama.cpp puts no bound on an adapter's rank; the server's --max-lora-rank is a batch budget
+_CLI_MAX_LORA_RANK = 4096
+
+
+def _lora_sources(args: argparse.Namespace) -> list[tuple[str, float]]:
+    sources = [(path, 1.0) for path in args.lora]
+    for path, scale in args.lora_scaled:
+        try:
+            sources.append((path, float(scale)))
+        except ValueError:
+            raise ValueError(f"--lora-scaled {path} {scale}: the scale must be a number") from None
+    return sources
+
+
+def _lora_request(llm, args: argparse.Namespace):
+    """The request adapter of ``--lora`` / ``--lora-scaled`` (registered once), or None."""
+    from tianxia.engine.lora_manager import LoRARequest
+
+    sources = _lora_sources(args)
+    if not sources:
+        return None
+    if "cli" not in llm.engine.list_loras():
+        llm.engine.add_lora("cli", sources)
+    return LoRARequest("cli")
 
 
 def _params(args: argparse.Namespace, max_tokens: int):
@@ -76,12 +108,12 @@ def _params(args: argparse.Namespace, max_tokens: int):
     )
 
 
-def _stream(llm, prompt, params) -> tuple[int, int, float, float]:
+def _stream(llm, prompt, params, lora=None) -> tuple[int, int, float, float]:
     """Generate one request, writing text to stdout as it comes; returns token counts and times."""
     engine = llm.engine
     rid = f"cli-{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, params)
+    engine.add_request(rid, prompt, params, lora)
     seq = engine.requests[rid][0]
     t_first = None
     while engine.has_unfinished_requests():
@@ -123,7 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(prompt, end="", flush=True)
     n = args.n_predict if args.n_predict and args.n_predict > 0 else None
-    timings = _stream(llm, prompt, _params(args, n))
+    timings = _stream(llm, prompt, _params(args, n), _lora_request(llm, args))
     _print_timings(*timings, llm.engine.speculator)
     return 0
 
@@ -133,6 +165,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})
+    lora = _lora_request(llm, args)
     interactive = sys.stdin.isatty()
     if interactive:
         print("chat with the model; Ctrl-D or /exit to quit, /reset to start over", file=sys.stderr)
@@ -152,7 +185,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         params = _params(args, args.n_predict if args.n_predict and args.n_predict > 0 else None)
         engine = llm.engine
         rid = f"chat-{time.monotonic_ns()}"
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        engine.add_request(rid, {"prompt_token_ids": ids}, params, lora)
         seq = engine.requests[rid][0]
         while engine.has_unfinished_requests():
             engine.step()

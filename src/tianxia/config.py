@@ -84,6 +84,23 @@ METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA options: ``max_loras`` distinct adapters in one batch, ``max_lora_rank`` the
+    largest rank accepted, ``max_cpu_loras`` adapters kept in memory (LRU; None: ``max_loras``)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """``method``: ``ngram`` (prompt lookup) or ``draft_model`` (a smaller model with the same
     tokenizer, ``model``). ``num_speculative_tokens``: the most tokens proposed per sequence and
@@ -194,6 +211,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port
+    lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
@@ -329,6 +347,50 @@ def add_speculative_args(parser) -> None:
                         help=f"most draft tokens per step (default: {DEFAULT_DRAFT_MAX} with -md)")
     parser.add_argument("--draft-min", type=int, default=None,
                         help="fewest draft tokens worth verifying; shorter proposals are dropped (default: 0)")
+
+
+def add_lora_args(parser) -> None:
+    """vLLM's LoRA serving flags."""
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the model")
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help='adapters served at start-up, each NAME=PATH (a PEFT directory) or vLLM\'s JSON '
+             '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by its "model"',
+    )
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (default: 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default: 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in memory, least recently used evicted (default: --max-loras)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+
+
+def lora_from_args(args) -> LoRAConfig | None:
+    if not getattr(args, "enable_lora", False):
+        if getattr(args, "lora_modules", None):
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+
+
+def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
+    """``--lora-modules`` items as (name, path): ``NAME=PATH`` or vLLM's JSON object."""
+    out = []
+    for item in items or []:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("path"), str)):
+                raise ValueError(f'--lora-modules: {item!r} needs "name" and "path" strings')
+            out.append((obj["name"], obj["path"]))
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not NAME=PATH")
+            out.append((name, path))
+    return out
 
 
 def speculative_from_args(args) -> SpeculativeConfig | None:

@@ -8,8 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tianxia.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, parse_size
+from tianxia.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from tianxia.engine.llm_engine import LLMEngine, PromptType
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from tianxia.sampling_params import BeamSearchParams, SamplingParams
 
@@ -50,6 +51,10 @@ class LLM:
         tensor_parallel_size: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -66,6 +71,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             master_addr=master_addr,
             master_port=master_port,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=parse_size(kv_cache_memory),
@@ -90,8 +96,10 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: one adapter for every prompt, or one (or None: the base) per prompt."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -105,11 +113,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError("sampling_params must be one object or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("lora_request must be one LoRARequest or one per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -74,10 +74,11 @@ def test_request_fault_fails_that_request_only(guarded, kind):
         assert http.get("/health").status_code == 200
 
 
-def test_engine_loop_fault_exits_nonzero(tiny_llama):
+@pytest.mark.parametrize("core", ["process", "thread"])
+def test_engine_loop_fault_exits_nonzero(tiny_llama, core):
     trigger = "@@engine-crash@@"
     srv = ServerProcess([str(tiny_llama), "--api-key", API_KEY, "--max-model-len", "64",
-                         "--kv-cache-memory", "16MiB"],
+                         "--kv-cache-memory", "16MiB", "--engine-core", core],
                         env={"TIANXIA_FAULT_INJECT": f"engine_loop:{trigger}"})
     srv.start()
     try:

@@ -312,6 +312,8 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     world = config.tensor_parallel_size
     if device.type != "cpu":
         raise ValueError("--tensor-parallel-size runs on CPU (gloo) so far; use --device cpu")
+    if getattr(config, "lora", None) is not None:
+        raise ValueError("--enable-lora is not available with --tensor-parallel-size yet")
     full = load_model_config(config.model)
     check_supported(full, world)
     addr = config.master_addr

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tianxia.engine import faults
+from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import LLMEngine, PromptType
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
 
@@ -173,85 +175,59 @@ class _Stream:
     pending: list[Any] = field(default_factory=list)
 
 
-class AsyncLLMEngine:
-    """Owns an :class:`LLMEngine` and drives it from a single background thread.
+class EngineClient:
+    """The asyncio side of an engine, wherever the engine runs: requests in, outputs out.
 
-    ``max_waiting_requests`` bounds the requests that are queued but not yet scheduled; past it
-    :meth:`add_request` raises :class:`QueueFullError` (the server turns it into a 503).
-    ``request_timeout`` (seconds from arrival) aborts a request that runs longer: its KV blocks are
-    freed and its consumer gets :class:`RequestTimeoutError`. ``on_dead`` is called (on the engine
-    thread) if the engine loop itself crashes, so that the process can exit and be restarted.
+    :class:`AsyncLLMEngine` drives an engine on a thread of this process;
+    :class:`tianxia.engine.core_client.EngineCoreClient` talks to engine core processes. The
+    server uses only this interface. ``max_waiting_requests`` bounds the requests that are queued
+    but not yet scheduled; past it :meth:`add_request` raises :class:`QueueFullError` (the server
+    turns it into a 503).
     """
+
+    info: EngineInfo
 
     def __init__(
         self,
-        engine: LLMEngine,
         *,
         max_waiting_requests: int | None = None,
         stats_listener: StatsListener | None = None,
-        log_stats_interval: float | None = 10.0,
-        request_timeout: float | None = None,
-        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.request_timeout = request_timeout
-        self.on_dead = on_dead
         self.listener = stats_listener or StatsListener()
-        self.log_stats_interval = log_stats_interval
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
-        self._dead: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # event-loop side only
-        self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
-        # adds queued but not yet taken by the engine thread: the event loop counts them up, the
-        # engine thread counts them down in the same critical section that publishes the
-        # snapshot that now includes them, so a request is never counted twice or not at all
+        # adds sent but not yet taken by the engine: the event loop counts them up, the engine
+        # side counts them down in the same critical section that publishes the snapshot that
+        # now includes them, so a request is never counted twice or not at all
         self._pending_adds = 0
         self._count_lock = threading.Lock()
-        self._last_sched: Any = None
-        self.num_steps = 0
-        self.max_step_seqs = 0
         self._snapshot: dict[str, float] = {}
-        self._publish_stats()
-        self._hook_scheduler()
+        self.max_step_seqs = 0
 
-    # --- lifecycle ----------------------------------------------------------------------------
+    # --- what each kind of client provides ----------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
-        if self._thread is not None:
-            return
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tianxia-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop that outputs are delivered on (set by :meth:`start`)."""
-        return self._loop
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None
+        raise NotImplementedError
 
     @property
     def errored(self) -> BaseException | None:
-        return self._dead
+        raise NotImplementedError
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort whatever is still running and stop the engine thread."""
-        self.abort_all("the engine is shutting down")
-        self._stopping = True
-        self._wakeup.set()
-        thread = self._thread
-        if thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
-            if thread.is_alive():
-                logger.warning("the engine thread did not stop within %.0fs", timeout)
+    def _send(self, command: tuple) -> None:
+        """Hand ``("add", rid, prompt, params, arrival, future)`` or ``("abort", rid)`` to the
+        engine; raises :class:`EngineDeadError` when it is not running."""
+        raise NotImplementedError
+
+    async def utility(self, name: str, *args: Any) -> Any:
+        """``LLMEngine.<name>(*args)`` run by the engine between steps (see ``UTILITIES``)."""
+        raise NotImplementedError
 
     # --- the asyncio side ---------------------------------------------------------------------
 
@@ -260,22 +236,15 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def stats(self) -> dict[str, float]:
-        """The latest engine statistics (published by the engine thread after every step)."""
+        """The latest engine statistics (published by the engine after every step)."""
         with self._count_lock:
             snap = dict(self._snapshot)
             snap["num_waiting"] = snap.get("num_waiting", 0) + self._pending_adds
         return snap
 
-    def _send(self, command: tuple) -> None:
-        if self._dead is not None or self._stopping or self._thread is None:
-            raise EngineDeadError(
-                "the engine is not running" + (f": {self._dead!r}" if self._dead else "")
-            )
-        self._commands.put(command)
-        self._wakeup.set()
-
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue:
         """Queue a request; returns once the engine accepted it (``ValueError`` if it did not)."""
         if request_id in self._streams:
@@ -291,7 +260,7 @@ class AsyncLLMEngine:
         with self._count_lock:
             self._pending_adds += 1
         try:
-            self._send(("add", request_id, prompt, params, time.monotonic(), fut))
+            self._send(("add", request_id, prompt, params, time.monotonic(), lora_request, fut))
         except BaseException:
             with self._count_lock:
                 self._pending_adds -= 1  # never queued
@@ -361,12 +330,6 @@ class AsyncLLMEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("call", fn, fut))
-        return await asyncio.wrap_future(fut)
-
     def _deliver(self, batch: list[tuple[str, Any]]) -> None:
         """Event-loop side: hand outputs (or exceptions) to their request queues."""
         for rid, item in batch:
@@ -376,6 +339,101 @@ class AsyncLLMEngine:
             if isinstance(item, BaseException) or item.finished:
                 stream.finished = True
             stream.queue.put_nowait(item)
+
+
+# what an engine runs for :meth:`EngineClient.utility` (a name crosses a process boundary, a
+# function does not)
+UTILITIES = frozenset({"reset_prefix_cache", "embed"})
+
+
+class AsyncLLMEngine(EngineClient):
+    """Owns an :class:`LLMEngine` and drives it from a single background thread.
+
+    ``request_timeout`` (seconds from arrival) aborts a request that runs longer: its KV blocks are
+    freed and its consumer gets :class:`RequestTimeoutError`. ``on_dead`` is called (on the engine
+    thread) if the engine loop itself crashes, so that the process can exit and be restarted.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        stats_listener: StatsListener | None = None,
+        log_stats_interval: float | None = 10.0,
+        request_timeout: float | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        super().__init__(max_waiting_requests=max_waiting_requests, stats_listener=stats_listener)
+        self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self.request_timeout = request_timeout
+        self.on_dead = on_dead
+        self.log_stats_interval = log_stats_interval
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
+        self._last_sched: Any = None
+        self.num_steps = 0
+        self._publish_stats()
+        self._hook_scheduler()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tianxia-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that outputs are delivered on (set by :meth:`start`)."""
+        return self._loop
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def errored(self) -> BaseException | None:
+        return self._dead
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is still running and stop the engine thread."""
+        self.abort_all("the engine is shutting down")
+        self._stopping = True
+        self._wakeup.set()
+        thread = self._thread
+        if thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+            if thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0fs", timeout)
+
+    def _send(self, command: tuple) -> None:
+        if self._dead is not None or self._stopping or self._thread is None:
+            raise EngineDeadError(
+                "the engine is not running" + (f": {self._dead!r}" if self._dead else "")
+            )
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def utility(self, name: str, *args: Any) -> Any:
+        if name not in UTILITIES:
+            raise ValueError(f"unknown engine utility {name!r}")
+        return await self.call(lambda engine: getattr(engine, name)(*args))
 
     # --- the engine thread --------------------------------------------------------------------
 
@@ -491,12 +549,12 @@ class AsyncLLMEngine:
                 break
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, arrival, fut = cmd
+                _, rid, prompt, params, arrival, lora_request, fut = cmd
                 adds_taken += 1
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, lora_request)
                 except Exception as e:  # noqa: BLE001 - goes back to the caller
                     done.append((fut, None, e))
                 else:

@@ -1,7 +1,7 @@
 """The KV block pool: allocation, reference counts, and the prefix cache.
 
 A full block is identified by a chained key: a SHA-256 digest of the key of the block before it,
-the sequence's extra key (its ``cache_salt``, for the first block) and its own tokens, so equal
+the sequence's extra key (its ``cache_salt`` and LoRA adapter, for the first block) and its own tokens, so equal
 keys mean equal prefixes, and no two different prefixes can be made to share one (Python's
 ``hash`` of the tokens, used before, collides by construction: ``hash(0) == hash(2**61 - 1)``,
 and a hit serves the cached K/V without comparing tokens). Freed blocks that carry a key stay in
@@ -118,7 +118,7 @@ class BlockManager:
         keys, bs = [], self.block_size
         parent = seq.block_keys[start - 1] if start else None
         for i in range(start, end):
-            parent = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], b"" if i else seq.cache_salt)
+            parent = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], b"" if i else seq.prefix_key_extra)
             keys.append(parent)
         return keys
 

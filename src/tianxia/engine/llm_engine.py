@@ -16,6 +16,7 @@ from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
 from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_per_token
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
+from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
 from tianxia.engine.scheduler import Scheduler
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
@@ -282,7 +283,14 @@ class LLMEngine:
                      fused_step=not gpu_invariant)
         from dataclasses import replace
 
-        self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager)
+        self.lora_manager = None
+        if config.lora is not None:
+            from tianxia.engine.lora_manager import LoRAManager
+
+            self.lora_manager = LoRAManager(loaded.model, config.lora)
+            self.runner.lora = self.lora_manager.state
+        self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager,
+                                   max_loras=config.lora.max_loras if config.lora else 0)
         self.requests: dict[str, list[Sequence]] = {}
         # request id -> why, for the requests failed in the last step
         self.failed: dict[str, RequestFailure] = {}
@@ -332,9 +340,11 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         return None, list(prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_slot = self._lora_slot(lora_request) if lora_request is not None else -1
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -352,6 +362,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.grammar_backend().compile(params.structured_outputs)
         seq = Sequence(request_id, text, ids, params)
+        if lora_request is not None:
+            seq.lora_name, seq.lora_slot = lora_request.lora_name, lora_slot
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None:
             if not isinstance(salt, str) or not salt:
@@ -368,6 +380,36 @@ class LLMEngine:
         seq.detok = self._detokenizer(seq)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+
+    # --- LoRA adapters ------------------------------------------------------------------------
+
+    def _lora_slot(self, req: LoRARequest) -> int:
+        """The slot of a request's adapter; one with a path that is not registered yet is
+        registered first (vLLM's offline ``LoRARequest(name, id, path)``)."""
+        manager = self.lora_manager
+        if manager is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        if req.lora_name not in manager.paths:
+            if not req.lora_path:
+                raise LoRAUnknownError(f"no LoRA adapter named {req.lora_name!r} is loaded")
+            manager.add(req.lora_name, req.lora_path, self.scheduler.lora_slots_in_use())
+        elif req.lora_path and req.lora_path != manager.paths[req.lora_name]:
+            raise ValueError(f"LoRA adapter {req.lora_name!r} is already loaded from {manager.paths[req.lora_name]}")
+        return manager.acquire(req.lora_name, self.scheduler.lora_slots_in_use())
+
+    def add_lora(self, name: str, path: str | list[tuple[str, float]]) -> None:
+        """Register an adapter (vLLM's ``/v1/load_lora_adapter``): a path, or (path, scale) pairs
+        whose deltas are summed (llama.cpp's ``--lora`` / ``--lora-scaled``); a bad one raises
+        LoRAError."""
+        if self.lora_manager is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        self.lora_manager.add(name, path, self.scheduler.lora_slots_in_use())
+
+    def remove_lora(self, name: str) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.lora_manager is None else self.lora_manager.names
 
     def grammar_backend(self):
         """The xgrammar backend, built on first use (it indexes the whole vocabulary)."""
@@ -629,6 +671,16 @@ class LLMEngine:
         position of ``token_ids``, as :meth:`score` runs them: what ``/v1/embeddings`` pools."""
         return self._prompt_pass("embed", token_ids, self.runner.prompt_hidden_states).float().cpu()
 
+    def embed(self, inputs: list[list[int]], pooling_type: str, normalize: bool) -> list[list[float]]:
+        """One vector per input, pooled from :meth:`hidden_states` (``LAST`` token or ``MEAN``) and
+        L2-normalized if asked: ``/v1/embeddings``. Plain lists, so they can cross processes."""
+        vectors = []
+        for ids in inputs:
+            hidden = self.hidden_states(ids)
+            vec = hidden[-1] if pooling_type == "LAST" else hidden.mean(dim=0)
+            vectors.append((torch.nn.functional.normalize(vec, dim=0) if normalize else vec).tolist())
+        return vectors
+
     def _prompt_pass(self, what: str, token_ids: list[int], run) -> torch.Tensor:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{len(token_ids)} tokens exceed max_model_len={self.max_model_len}")
@@ -659,4 +711,18 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self._lora_stats() if self.lora_manager is not None else {}),
+        }
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` labels (adapters of running and waiting requests) and
+        requests per adapter."""
+        def names(seqs) -> str:
+            return ",".join(sorted({s.lora_name for s in seqs if s.lora_name is not None}))
+
+        return {
+            "lora_running": names(self.scheduler.running),
+            "lora_waiting": names(self.scheduler.waiting),
+            "max_lora": self.lora_manager.config.max_loras,
+            "lora_requests_total": dict(self.lora_manager.requests_total),
         }

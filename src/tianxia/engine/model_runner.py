@@ -24,6 +24,7 @@ from tianxia.config import CacheConfig, ModelConfig
 from tianxia.engine import faults
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import AttentionMetadata
+from tianxia.layers.lora import LoRAState
 from tianxia.layers.sampler import Sampler, SamplingBatch
 from tianxia.quant.kv_blocks import kv_row_bytes
 
@@ -96,14 +97,16 @@ class ModelRunner:
         self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_decode)
         self.decode_step = None  # the family's fused decode step (setup_decode), or None
         self.route_counts: Counter[str] = Counter()  # steps per route: graph, fused, eager
+        self.lora: LoRAState | None = None  # the adapters' grouped product (--enable-lora)
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]):
-        # decodes (one new token) first, so the attention backend can batch them densely
-        order = sorted(scheduled, key=lambda x: x[1] != 1)
+        # decodes (one new token) first, so the attention backend can batch them densely; then
+        # by LoRA adapter, so each adapter's rows are a run its product reads in place
+        order = sorted(scheduled, key=lambda x: (x[1] != 1, x[0].lora_slot))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -168,16 +171,25 @@ class ModelRunner:
                 drafted.append(len(rows))
                 rows.extend(range(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
                 seqs.extend([seq] * n)
-        graph_logits = self._decode_logits(order, ids, pos, meta)
+        row_slots = self._lora_rows(order)
+        # rows with an adapter take the module forward, whose hooks add the adapters' deltas
+        graph_logits = None if row_slots else self._decode_logits(order, ids, pos, meta)
         keep = self._rows_to_keep(order, rows, ids.shape[0])
-        if graph_logits is not None:
-            hidden = None
-        elif keep is not None:
-            hidden = self.model(ids, pos, self.kv_caches, meta, torch.tensor(keep, dtype=torch.long, device=self.device))
-            where = {r: j for j, r in enumerate(keep)}
-            rows = [where[r] for r in rows]
-        else:
-            hidden = self.model(ids, pos, self.kv_caches, meta)
+        if row_slots:
+            self.lora.begin_step(row_slots, keep)
+        try:
+            if graph_logits is not None:
+                hidden = None
+            elif keep is not None:
+                hidden = self.model(ids, pos, self.kv_caches, meta,
+                                    torch.tensor(keep, dtype=torch.long, device=self.device))
+                where = {r: j for j, r in enumerate(keep)}
+                rows = [where[r] for r in rows]
+            else:
+                hidden = self.model(ids, pos, self.kv_caches, meta)
+        finally:
+            if row_slots:
+                self.lora.end_step()
         if hidden is not None:
             self.route_counts["eager"] += 1
         result = StepResult()
@@ -190,11 +202,18 @@ class ModelRunner:
             logits = graph_logits if same else graph_logits[torch.tensor(rows, device=self.device)]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        logits = self._drop_nan_rows(logits, seqs, result)
+        nan_rows = self._nan_rows(logits, seqs)
+        # on the GPU the NaN rows are looked for after sampling: no host sync between the forward
+        # and the sampler, whose batch the host builds (and whose kernels it launches) meanwhile
+        deferred = not drafted and logits.is_cuda and self.sampler.samples_on_device(logits)
+        if not deferred:
+            logits = self._drop_nan_rows(logits, nan_rows, seqs, result)
         if drafted:
             self._verify(logits, seqs, drafted, result)
             return result
         out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
+        if deferred:
+            self._drop_nan_rows(logits, nan_rows, seqs, result)
         for i in out.dead_rows:
             result.errors.setdefault(seqs[i].seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
         for seq, token, lp in zip(seqs, out.tokens, out.logprobs):
@@ -204,6 +223,12 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[seq.seq_id] = lp
         return result
+
+    def _lora_rows(self, order) -> list[int] | None:
+        """Each token row's adapter slot (-1: base), or None when no row has one."""
+        if self.lora is None or all(seq.lora_slot < 0 for seq, _ in order):
+            return None
+        return [seq.lora_slot for seq, n in order for _ in range(n)]
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[int], result: StepResult) -> None:
         """Sample a step with proposals: each sequence that verifies k of them gets between 1 and
@@ -241,16 +266,21 @@ class ModelRunner:
                     result.logprobs[seq.seq_id] = lps[0]
 
     @staticmethod
-    def _drop_nan_rows(logits: torch.Tensor, seqs: list[Sequence], result: StepResult) -> torch.Tensor:
-        """A row with NaN would sample garbage: its sequence gets an error instead of a token."""
+    def _nan_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[rows] bool on the logits' device, without a host sync: a row's sum is NaN where one of
+        its logits is (or where it holds both infinities): one value per row, where isnan made a
+        flag per logit (a third of a millisecond per step for a 150k vocabulary on CPU)."""
         if faults.ACTIVE:
             for i, seq in enumerate(seqs):
                 if faults.hits("nan", seq.prompt):
                     logits[i] = float("nan")
-        # a row's sum is NaN where one of its logits is (or where it holds both infinities): one
-        # value per row, where isnan made a flag per logit (a third of a millisecond per step for
-        # a 150k vocabulary on CPU)
-        if not bool(logits.sum(dim=-1).isnan().any()):
+        return logits.sum(dim=-1).isnan()
+
+    @staticmethod
+    def _drop_nan_rows(logits: torch.Tensor, maybe_nan: torch.Tensor, seqs: list[Sequence],
+                       result: StepResult) -> torch.Tensor:
+        """A row with NaN would sample garbage: its sequence gets an error instead of a token."""
+        if not bool(maybe_nan.any()):
             return logits
         nan_rows = torch.isnan(logits).any(dim=-1)
         if not bool(nan_rows.any()):

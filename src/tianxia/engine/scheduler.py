@@ -37,8 +37,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct LoRA adapters in one batch (0: no adapters served)
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -93,6 +94,8 @@ class Scheduler:
             if preempted_this_step:
                 break  # memory is short right now; admitting more would only thrash
             seq = self.waiting[0]
+            if seq.lora_slot >= 0 and not self._lora_fits(seq.lora_slot):
+                break  # its adapter would be one too many in the batch: it waits its turn
             cached = bm.lookup_prefix(seq) if not seq.block_table else []
             num_cached_tokens = len(cached) * bm.block_size
             num_new = min(len(seq) - seq.num_computed_tokens - num_cached_tokens, budget)
@@ -114,6 +117,13 @@ class Scheduler:
             budget -= num_new
         out.copies, bm.pending_copies = bm.pending_copies, []
         return out
+
+    def _lora_fits(self, slot: int) -> bool:
+        active = {s.lora_slot for s in self.running if s.lora_slot >= 0}
+        return slot in active or len(active) < self.max_loras
+
+    def lora_slots_in_use(self) -> set[int]:
+        return {s.lora_slot for s in (*self.running, *self.waiting) if s.lora_slot >= 0}
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence's blocks and remove it from the queues."""

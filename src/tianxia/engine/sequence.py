@@ -35,7 +35,7 @@ class Sequence:
         "stop_reason", "arrival_time", "first_token_time", "generator", "detok", "bad_words_ids",
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
         "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
-        "spec_acceptance", "spec_backoff",
+        "spec_acceptance", "spec_backoff", "spec_strikes", "ngram_index", "lora_name", "lora_slot",
     )
 
     def __init__(
@@ -62,6 +62,9 @@ class Sequence:
         # mixed into the first block's prefix-cache key: requests with different salts (tenants)
         # never share cached blocks (vLLM's ``cache_salt``)
         self.cache_salt = b""
+        # the LoRA adapter (its name, and the engine's slot for it; -1: the base model)
+        self.lora_name: str | None = None
+        self.lora_slot = -1
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -91,9 +94,12 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.draft_probs = None
         self.draft_num_computed = 0
-        # a running average of the fraction of proposals accepted, and steps left without any
+        # a running average of the fraction of proposals accepted, steps left without any, and
+        # how many pauses in a row it has earned (each twice as long as the last)
         self.spec_acceptance = 1.0
         self.spec_backoff = 0
+        self.spec_strikes = 0
+        self.ngram_index = None  # the prompt lookup's n-gram positions of this sequence
 
     def fork(self, index: int) -> Sequence:
         """A sibling for parallel sampling: same tokens and blocks (the caller adds block refs)."""
@@ -103,6 +109,7 @@ class Sequence:
         child.block_table = list(self.block_table)
         child.block_keys = list(self.block_keys)
         child.cache_salt = self.cache_salt
+        child.lora_name, child.lora_slot = self.lora_name, self.lora_slot
         child.num_cached_tokens = self.num_cached_tokens
         child.arrival_time = self.arrival_time
         child.bad_words_ids = self.bad_words_ids
@@ -113,6 +120,14 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prefix_key_extra(self) -> bytes:
+        """What the first block's prefix-cache key mixes in besides tokens: the cache salt and
+        the adapter, whose K/V differs from the base's for the same tokens."""
+        if self.lora_slot < 0:
+            return self.cache_salt
+        return self.cache_salt + b"\0lora:" + str(self.lora_slot).encode()
 
     @property
     def output_token_ids(self) -> list[int]:

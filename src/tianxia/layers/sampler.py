@@ -302,7 +302,7 @@ class Sampler:
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
         greedy_tokens = logits.argmax(dim=-1) if bool(greedy_cpu.any()) else None
-        if self._use_device_kernels(logits):
+        if self.samples_on_device(logits):
             tokens = self._sample_on_device(logits, batch)
         else:
             tokens = self.draw(self.probs(logits, batch), batch.generators)
@@ -310,7 +310,9 @@ class Sampler:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
 
-    def _use_device_kernels(self, logits: torch.Tensor) -> bool:
+    def samples_on_device(self, logits: torch.Tensor) -> bool:
+        """Whether these logits are sampled by the Triton kernels (which, unlike a draw from a
+        softmax, take a NaN row without failing: the caller may look for NaN rows afterwards)."""
         if self.device_kernels is None:
             from tianxia.layers.attention.backend import triton_available
 

@@ -5,9 +5,14 @@
   rather than a sort. Each pass over the row evaluates ``NCAND`` candidate thresholds at once
   (how many logits, or how much probability mass, lies at or above each) and narrows the
   interval that holds the answer ``NCAND``-fold; ``PASSES`` passes narrow it past float32's
-  resolution, so the kept set is the sort's, up to logits equal to the last one kept. A pass is
-  one launch over (row, chunk of the vocabulary) programs, each weighing its chunk: the row's
-  chunk sums (in chunk order) narrow the interval at the start of the next pass.
+  resolution, so the kept set is the sort's, up to logits equal to the last one kept. The first
+  ``FULL_PASSES`` passes read the whole row, as launches over (row, chunk of the vocabulary)
+  programs, each weighing its chunk: the row's chunk sums (in chunk order) narrow the interval at
+  the start of the next launch. After them the interval holds a few logits of each chunk: one
+  launch copies those (in index order) into per-chunk slots and sums the weight above the
+  interval, and one program per row runs the remaining passes over the copies alone. A row with
+  more logits inside than its slots hold (never seen on model logits) runs them over the whole
+  row instead; either way the result depends on the row alone.
 - ``gumbel_argmax``: one token per row by the Gumbel-max trick, ``argmax(logit + g)`` over the
   kept logits with ``g = -log(-log u)``, which is a categorical draw from their softmax. ``u`` is
   a counter-based hash of (the row's 64-bit key, the token id): a seeded sequence's key comes from
@@ -24,6 +29,11 @@ import triton.language as tl
 
 _NCAND = 16
 _PASSES = 8  # 16**8 = 2**32 narrowing: past float32's spacing for any logit range under 2**8
+# passes over the whole row; a pass over 256 rows x 152k logits costs ~150 us on an H200 (bound by
+# the 16 compare-and-add per logit), while after two the interval holds ~1/256 of the value range
+_FULL_PASSES = 2
+# slots per chunk for the logits left inside the interval (flat Gaussian logits leave ~15 of 4096)
+_SLOTS = 128
 # Each row is cut into chunks of a fixed size, one program each, so that a pass over 256 rows of a
 # 152k vocabulary runs as ~10k programs instead of 256 long ones; the size does not depend on the
 # batch, so neither does the order of any sum (a seeded row's draw is batch-invariant)
@@ -101,29 +111,38 @@ def _mass_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, out_ptr, V, C,
 
 
 @triton.jit
-def _narrow(lohi_ptr, cands_ptr, part_ptr, row, target, C,
-            NCAND: tl.constexpr, CPAD: tl.constexpr):
-    """The interval after a pass: between the last of its candidates whose weight (summed over
-    the row's chunks, in chunk order) still reaches ``target`` and the first that does not."""
+def _weight(x, m, MASS: tl.constexpr):
+    """What a logit weighs in the search: its ``exp(x - max)`` (top-p) or 1 (top-k)."""
+    if MASS:
+        return tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
+    return tl.where(x > float("-inf"), 1.0, 0.0)
+
+
+@triton.jit
+def _step(lo, hi, acc, target, NCAND: tl.constexpr):
+    """The interval after weighing candidates evenly spaced in ``(lo, hi]``: between the last
+    whose weight ``acc`` still reaches ``target`` and the first that does not."""
     j = tl.arange(0, NCAND)
-    cc = tl.arange(0, CPAD)
-    part = tl.load(part_ptr + (row * C + cc[:, None]) * NCAND + j[None, :], mask=cc[:, None] < C, other=0.0)
-    acc = tl.sum(part, axis=0)
-    cands = tl.load(cands_ptr + row * NCAND + j)
-    lo = tl.load(lohi_ptr + 2 * row)
-    hi = tl.load(lohi_ptr + 2 * row + 1)
-    # the weight falls as the threshold rises: the first `ok` candidates satisfy the target
+    cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
     ok = tl.sum((acc >= target).to(tl.int32), axis=0)
     new_lo = tl.sum(tl.where(j == ok - 1, cands, 0.0), axis=0)
     new_hi = tl.sum(tl.where(j == ok, cands, 0.0), axis=0)
-    lo = tl.where(ok > 0, new_lo, lo)
-    hi = tl.where(ok < NCAND, new_hi, hi)
-    return lo, hi
+    return tl.where(ok > 0, new_lo, lo), tl.where(ok < NCAND, new_hi, hi)
+
+
+@triton.jit
+def _narrow(lohi_ptr, part_ptr, row, target, C, NCAND: tl.constexpr, CPAD: tl.constexpr):
+    """The interval after a launch over the whole row: its chunks' sums, added in chunk order."""
+    j = tl.arange(0, NCAND)
+    cc = tl.arange(0, CPAD)
+    part = tl.load(part_ptr + (row * C + cc[:, None]) * NCAND + j[None, :], mask=cc[:, None] < C, other=0.0)
+    return _step(tl.load(lohi_ptr + 2 * row), tl.load(lohi_ptr + 2 * row + 1), tl.sum(part, axis=0),
+                 target, NCAND)
 
 
 @triton.jit
 def _search_pass_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
-                        lohi_in, cands_in, part_in, lohi_out, cands_out, part_out, V, C,
+                        lohi_in, part_in, lohi_out, part_out, V, C,
                         FIRST: tl.constexpr, MASS: tl.constexpr, HAS_LO0: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, NCAND: tl.constexpr, CPAD: tl.constexpr):
     """One pass of the search for one chunk: narrow the row's interval by the last pass's sums
@@ -136,37 +155,96 @@ def _search_pass_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, 
             lo = lo0
             hi = m
         else:
-            lo, hi = _narrow(lohi_in, cands_in, part_in, row, target, C, NCAND, CPAD)
+            lo, hi = _narrow(lohi_in, part_in, row, target, C, NCAND, CPAD)
         j = tl.arange(0, NCAND)
         cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
-        if c == 0:  # the next pass reads these rather than recomputing them
+        if c == 0:
             tl.store(lohi_out + 2 * row, lo)
             tl.store(lohi_out + 2 * row + 1, hi)
-            tl.store(cands_out + row * NCAND + j, cands)
         base = logits_ptr + row.to(tl.int64) * stride
         offs = tl.arange(0, BLOCK)
-        # per-lane sums, reduced once: a reduction across the block in every iteration costs
-        # more than the loads
-        acc2 = tl.zeros([BLOCK, NCAND], dtype=tl.float32)
+        # per-lane sums, reduced once (a reduction across the block in every iteration costs more
+        # than the loads), laid out [NCAND, BLOCK] so that each thread compares its own logits
+        # with every candidate: [BLOCK, NCAND] shuffles x between threads (190 vs 150 us a pass)
+        acc2 = tl.zeros([NCAND, BLOCK], dtype=tl.float32)
         for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
             x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
-            if MASS:
-                w = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
-            else:
-                w = tl.where(x > float("-inf"), 1.0, 0.0)
-            acc2 += tl.where(x[:, None] >= cands[None, :], w[:, None], 0.0)
-        tl.store(part_out + (row * C + c) * NCAND + j, tl.sum(acc2, axis=0))
+            acc2 += tl.where(x[None, :] >= cands[:, None], _weight(x, m, MASS)[None, :], 0.0)
+        tl.store(part_out + (row * C + c) * NCAND + j, tl.sum(acc2, axis=1))
 
 
 @triton.jit
-def _search_final_kernel(cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
-                         lohi_in, cands_in, part_in, out_ptr, V, C,
-                         MASS: tl.constexpr, HAS_LO0: tl.constexpr, NCAND: tl.constexpr, CPAD: tl.constexpr):
-    row = tl.program_id(0)
-    _, thr, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+def _compact_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
+                    lohi_in, part_in, lohi_out, slots_ptr, count_ptr, above_ptr, V, C,
+                    MASS: tl.constexpr, HAS_LO0: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    NCAND: tl.constexpr, CPAD: tl.constexpr, SLOTS: tl.constexpr):
+    """After the full passes, for one chunk: the logits inside the row's interval, copied in index
+    order into the chunk's slots (their count, even past ``SLOTS``, tells the row overflowed),
+    and the weight of the chunk's logits above the interval, which every candidate gets."""
+    row, c = tl.program_id(0), tl.program_id(1)
+    m, lo0, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
                                         MASS, HAS_LO0, CPAD)
     if active:
-        thr, _ = _narrow(lohi_in, cands_in, part_in, row, target, C, NCAND, CPAD)
+        lo, hi = _narrow(lohi_in, part_in, row, target, C, NCAND, CPAD)
+        if c == 0:
+            tl.store(lohi_out + 2 * row, lo)
+            tl.store(lohi_out + 2 * row + 1, hi)
+        base = logits_ptr + row.to(tl.int64) * stride
+        slots = slots_ptr + (row * C + c).to(tl.int64) * SLOTS
+        offs = tl.arange(0, BLOCK)
+        above = tl.zeros([BLOCK], dtype=tl.float32)
+        n = 0
+        for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+            x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
+            inside = (x >= lo) & (x < hi)
+            at = n + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(slots + at, x, mask=inside & (at < SLOTS))
+            n += tl.sum(inside.to(tl.int32), axis=0)
+            above += tl.where(x >= hi, _weight(x, m, MASS), 0.0)
+        tl.store(count_ptr + row * C + c, n)
+        tl.store(above_ptr + row * C + c, tl.sum(above, axis=0))
+
+
+@triton.jit
+def _finish_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr,
+                   lohi_in, slots_ptr, count_ptr, above_ptr, out_ptr, V, C,
+                   MASS: tl.constexpr, HAS_LO0: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr,
+                   NCAND: tl.constexpr, CPAD: tl.constexpr, SLOTS: tl.constexpr):
+    """The remaining passes of one row, in one program: over its copied logits (plus the weight
+    above the interval), or over the whole row where a chunk had more than its slots hold."""
+    row = tl.program_id(0)
+    m, thr, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+                                        MASS, HAS_LO0, CPAD)
+    if active:
+        lo = tl.load(lohi_in + 2 * row)
+        hi = tl.load(lohi_in + 2 * row + 1)
+        cc = tl.arange(0, CPAD)
+        counts = tl.load(count_ptr + row * C + cc, mask=cc < C, other=0)
+        j = tl.arange(0, NCAND)
+        offs = tl.arange(0, BLOCK)
+        if tl.max(counts, axis=0) > SLOTS:
+            base = logits_ptr + row.to(tl.int64) * stride
+            for _ in range(PASSES):
+                cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
+                acc2 = tl.zeros([NCAND, BLOCK], dtype=tl.float32)
+                for start in range(0, V, BLOCK):
+                    x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf"))
+                    acc2 += tl.where(x[None, :] >= cands[:, None], _weight(x, m, MASS)[None, :], 0.0)
+                lo, hi = _step(lo, hi, tl.sum(acc2, axis=1), target, NCAND)
+        else:
+            above = tl.sum(tl.load(above_ptr + row * C + cc, mask=cc < C, other=0.0), axis=0)
+            slots = slots_ptr + row.to(tl.int64) * C * SLOTS
+            for _ in range(PASSES):
+                cands = lo + (hi - lo) * ((j + 1).to(tl.float32) / NCAND)
+                acc2 = tl.zeros([NCAND, BLOCK], dtype=tl.float32)
+                # the row's slots as one flat array, a chunk's valid ones first in its SLOTS
+                for start in range(0, C * SLOTS, BLOCK):
+                    at = start + offs
+                    n = tl.load(count_ptr + row * C + at // SLOTS, mask=at < C * SLOTS, other=0)
+                    x = tl.load(slots + at, mask=(at < C * SLOTS) & (at % SLOTS < n), other=float("-inf"))
+                    acc2 += tl.where(x[None, :] >= cands[:, None], _weight(x, m, MASS)[None, :], 0.0)
+                lo, hi = _step(lo, hi, above + tl.sum(acc2, axis=1), target, NCAND)
+        thr = lo
     tl.store(out_ptr + row, thr)
 
 
@@ -175,28 +253,34 @@ def _search(logits: torch.Tensor, cmax: torch.Tensor, cmin: torch.Tensor, lo0: t
     """[S]: for each searching row, the largest threshold in ``[lo0, max]`` whose weight at or
     above it (a count of logits, or with ``zpart`` given their ``exp(x - max)``) still reaches
     its target (``lo0``, the smallest finite logit where None, must); other rows keep ``lo0``.
-    ``_PASSES`` launches each narrow the interval that holds it ``_NCAND``-fold."""
+    ``_PASSES`` passes each narrow the interval that holds it ``_NCAND``-fold: ``_FULL_PASSES``
+    launches over the whole rows, then one that copies what is left inside, then one program per
+    row for the rest."""
     S, V = logits.shape
     C = cmax.shape[1]
     dev = logits.device
     lohi = [torch.empty(S, 2, device=dev), torch.empty(S, 2, device=dev)]
-    cands = [torch.empty(S, _NCAND, device=dev), torch.empty(S, _NCAND, device=dev)]
     part = [torch.empty(S, C, _NCAND, device=dev), torch.empty(S, C, _NCAND, device=dev)]
     mass, has_lo0 = zpart is not None, lo0 is not None
     lo0 = lo0 if has_lo0 else cmin  # unread without HAS_LO0
     zpart = zpart if mass else cmax  # unread without MASS
-    cpad = triton.next_power_of_2(C)
-    for i in range(_PASSES):
+    row_args = (cmax, cmin, lo0, top_k, top_p, zpart)
+    flags = dict(MASS=mass, HAS_LO0=has_lo0, NCAND=_NCAND, CPAD=triton.next_power_of_2(C))
+    for i in range(_FULL_PASSES):
         src, dst = (i + 1) % 2, i % 2
-        _search_pass_kernel[(S, C)](
-            logits, logits.stride(0), cmax, cmin, lo0, top_k, top_p, zpart,
-            lohi[src], cands[src], part[src], lohi[dst], cands[dst], part[dst], V, C,
-            FIRST=i == 0, MASS=mass, HAS_LO0=has_lo0, CHUNK=_CHUNK, BLOCK=_BLOCK, NCAND=_NCAND,
-            CPAD=cpad, num_warps=4)
+        _search_pass_kernel[(S, C)](logits, logits.stride(0), *row_args, lohi[src], part[src], lohi[dst],
+                                    part[dst], V, C, FIRST=i == 0, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
+                                    **flags)
+    last = (_FULL_PASSES - 1) % 2
+    slots = torch.empty(S, C, _SLOTS, device=dev)
+    count = torch.empty(S, C, dtype=torch.int32, device=dev)
+    above = torch.empty(S, C, device=dev)
+    _compact_kernel[(S, C)](logits, logits.stride(0), *row_args, lohi[last], part[last], lohi[1 - last],
+                            slots, count, above, V, C, CHUNK=_CHUNK, BLOCK=1024, SLOTS=_SLOTS, num_warps=4,
+                            **flags)
     out = torch.empty(S, dtype=torch.float32, device=dev)
-    last = (_PASSES - 1) % 2
-    _search_final_kernel[(S,)](cmax, cmin, lo0, top_k, top_p, zpart, lohi[last], cands[last], part[last],
-                               out, V, C, MASS=mass, HAS_LO0=has_lo0, NCAND=_NCAND, CPAD=cpad, num_warps=1)
+    _finish_kernel[(S,)](logits, logits.stride(0), *row_args, lohi[1 - last], slots, count, above, out, V, C,
+                         PASSES=_PASSES - _FULL_PASSES, BLOCK=512, SLOTS=_SLOTS, num_warps=4, **flags)
     return out
 
 

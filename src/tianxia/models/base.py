@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tianxia.layers.attention import AttentionMetadata
+from tianxia.layers.lora import LoRATarget
 
 
 @runtime_checkable
@@ -56,6 +57,10 @@ class CausalLM(Protocol):
 
     def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
         """The family's fused decode step for these caches on the model's device, or None."""
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """The modules LoRA adapters may adapt (``--enable-lora``), by module name; a family
+        without this method serves no adapters."""
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         """Why the module forward cannot be captured in a CUDA graph (a host sync or a

@@ -35,6 +35,7 @@ from torch import nn
 from tianxia.config import ModelConfig
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
+from tianxia.layers.lora import LoRATarget
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear, dense_linear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
@@ -305,6 +306,24 @@ class LlamaForCausalLM(nn.Module):
             reason = f"no fused step for {device.type}"
         logger.info("%s: no fused decode step (%s)", self.config.architecture, reason)
         return None
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """The fused modules LoRA adapters may adapt, with the checkpoint projections in each."""
+        attn, c = self.model.layers[0].self_attn, self.config
+        targets = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for ours, parts, n_in in (
+                ("self_attn.qkv_proj", (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)),
+                 c.hidden_size),
+                ("self_attn.o_proj", (("o_proj", c.hidden_size),), attn.q_size),
+                ("mlp.gate_up_proj", (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
+                 c.hidden_size),
+                ("mlp.down_proj", (("down_proj", c.hidden_size),), c.intermediate_size),
+            ):
+                prefix = p + ours.rsplit(".", 1)[0] + "."
+                targets[p + ours] = LoRATarget(p + ours, tuple((prefix + n, rows) for n, rows in parts), n_in)
+        return targets
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         if any(r.rope_type == "dynamic" for r in self.model.rotary_embs):

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from tianxia import __version__
-from tianxia.engine.async_engine import AsyncLLMEngine
+from tianxia.engine.async_engine import EngineClient
 from tianxia.server.errors import APIError, bad_request, install_handlers
 from tianxia.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tianxia.server.model_registry import ModelRegistry
@@ -236,7 +236,7 @@ class CORSConfig:
 class Servings:
     """One handler object per endpoint family, over one engine."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     state: ServerState
     models: ServingModels
     completion: OpenAIServingCompletion
@@ -248,7 +248,7 @@ class Servings:
 
 
 def build_servings(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_names: list[str],
     *,
     chat_template: str | None = None,
@@ -260,7 +260,7 @@ def build_servings(
 ) -> Servings:
     """The handlers of one model; the models of one server share its ``state``."""
     state = state or ServerState(metrics=metrics, retry_after_s=retry_after_s)
-    models = ServingModels(engine.engine, served_model_names)
+    models = ServingModels(engine.info, served_model_names)
 
     def make(cls):
         return cls(
@@ -354,6 +354,35 @@ def _openai_routes(registry: ModelRegistry) -> APIRouter:
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
         async with registry.use(body.model) as s:
             return await s.embedding.create(body)
+
+    return router
+
+
+def _lora_routes(registry: ModelRegistry) -> APIRouter:
+    """vLLM's runtime adapter updates, ``POST /v1/load_lora_adapter`` (``{"lora_name",
+    "lora_path"}``) and ``/v1/unload_lora_adapter`` (``{"lora_name"}``): a 404, as vLLM's absent
+    routes, unless the server runs with ``--allow-runtime-lora-updating``."""
+    router = APIRouter()
+
+    async def update(raw: Request, load: bool) -> Response:
+        data = await _json_object(raw)
+        async with registry.use(data.get("model") if isinstance(data.get("model"), str) else None) as s:
+            if not s.state.allow_runtime_lora_updating:
+                raise APIError(404, "runtime LoRA updates are off: start the server with "
+                                    "--allow-runtime-lora-updating", code="not_found")
+            if load:
+                text = await s.models.load_lora_adapter(s.engine, data)
+            else:
+                text = await s.models.unload_lora_adapter(s.engine, data)
+        return Response(text, media_type="text/plain")
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request) -> Response:
+        return await update(raw, load=True)
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request) -> Response:
+        return await update(raw, load=False)
 
     return router
 
@@ -503,6 +532,7 @@ def build_app(
     )
     app.include_router(_probe_routes(registry, state, metrics))
     app.include_router(_openai_routes(registry))
+    app.include_router(_lora_routes(registry))
     if registry.router:
         app.include_router(_router_routes(registry))
     app.include_router(_tokenize_routes(registry))

@@ -21,10 +21,13 @@ from tianxia.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    add_lora_args,
     add_quantization_args,
     add_parallel_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
+    lora_from_args,
+    parse_lora_modules,
     parse_size,
     speculative_from_args,
 )
@@ -154,6 +157,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     add_quantization_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+    add_lora_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
@@ -193,6 +197,23 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         default=None,
         help="abort a request still running this many seconds after it arrived; the client "
         "gets a 504 (default: no limit)",
+    )
+    p.add_argument(
+        "--engine-core",
+        choices=("thread", "process"),
+        default=None,
+        help="where the engine runs: a process of its own that the server talks to over ZeroMQ "
+        "(the HTTP side then never holds up a step), or a thread of the server process "
+        "(default: process for one model; several models run on threads)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine core processes behind the server, each a copy of the model on its own GPU "
+        "or CPU cores (--threads each); requests go to the core holding their prompt's prefix, "
+        "else the least loaded (implies --engine-core process; default: %(default)s)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -359,6 +380,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        lora=lora_from_args(args),
     )
 
 
@@ -422,14 +444,6 @@ def _server_models(args: argparse.Namespace, default_model: str) -> list[tuple[s
     return models
 
 
-def _cache_info(engine) -> dict[str, str]:
-    return {
-        "block_size": str(engine.config.cache.block_size),
-        "num_gpu_blocks": str(engine.block_manager.num_blocks),
-        "enable_prefix_caching": str(engine.config.cache.enable_prefix_caching),
-    }
-
-
 def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseException], None]):
     from tianxia.engine.async_engine import AsyncLLMEngine
 
@@ -442,10 +456,48 @@ def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseExcep
     )
 
 
+def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
+    """The engine behind a single-model server: on a thread here, or in core processes."""
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
+    if args.engine_core == "thread" and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size needs --engine-core process")
+    if config.lora is not None and args.data_parallel_size > 1:
+        raise ValueError("--enable-lora serves its adapters from one engine: it does not combine "
+                         "with --data-parallel-size")
+    tensor_parallel = config.tensor_parallel_size > 1
+    if tensor_parallel and args.data_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size does not combine with --data-parallel-size yet")
+    if args.engine_core == "thread" or config.lora is not None or tensor_parallel:
+        from tianxia.engine.async_engine import build_off_main_thread
+        from tianxia.engine.llm_engine import LLMEngine
+
+        if args.engine_core == "process":
+            # LoRA: the adapter registry and the runtime load/unload live beside the engine;
+            # tensor parallelism: the engine starts its worker ranks, which a daemonic core
+            # process may not
+            logger.info("%s: the engine runs on a thread of the server (--engine-core thread)",
+                        "--enable-lora" if config.lora is not None else "--tensor-parallel-size")
+        engine = build_off_main_thread(lambda: LLMEngine(config))
+        for name, path in parse_lora_modules(args.lora_modules):
+            engine.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
+        return _async_engine(args, engine, on_dead)
+    from tianxia.engine.core_client import EngineCoreClient
+
+    # started from the main thread: a core's PR_SET_PDEATHSIG follows the thread that made it
+    return EngineCoreClient(
+        config,
+        data_parallel_size=args.data_parallel_size,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout=args.request_timeout,
+        log_stats_interval=None if args.disable_log_stats else 10.0,
+        on_dead=on_dead,
+        log_level=args.log_level.upper(),
+    )
+
+
 def _single_model(args: argparse.Namespace, model: str, state, on_dead):
     """The one model of a plain server, loaded before the server starts."""
-    from tianxia.engine.async_engine import build_off_main_thread
-    from tianxia.engine.llm_engine import LLMEngine
     from tianxia.server.api import build_servings
     from tianxia.server.metrics import ServerMetrics
     from tianxia.server.model_registry import ModelRegistry
@@ -453,17 +505,19 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
 
     pooler = PoolerConfig.parse(args.pooler_config)
     config = engine_config(args, model)
-    engine = build_off_main_thread(lambda: LLMEngine(config))
+    async_engine = _engine_client(args, config, on_dead)
+    state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
     names = args.served_model_name or [model]
-    async_engine = _async_engine(args, engine, on_dead)
     metrics = ServerMetrics(
         names[0],
-        engine.max_model_len,
+        async_engine.info.max_model_len,
         async_engine.stats,
         lambda: async_engine.max_step_seqs,
-        _cache_info(engine),
+        async_engine.info.cache_info(),
     )
     async_engine.listener = metrics
+    if args.data_parallel_size > 1:
+        metrics.add_engine_cores(names[0], async_engine.per_core)
     state.metrics = metrics
     servings = build_servings(
         async_engine,
@@ -474,7 +528,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
         state=state,
     )
     logger.info("serving %s as %s (max_model_len=%d)", model, ", ".join(names),
-                engine.max_model_len)
+                async_engine.info.max_model_len)
     return ModelRegistry.single(servings), metrics
 
 
@@ -499,6 +553,13 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             "several models give each its KV cache with --kv-cache-memory and all of them a "
             "budget with --models-memory"
         )
+    if args.engine_core == "process" or args.data_parallel_size != 1:
+        raise ValueError(
+            "--engine-core process and --data-parallel-size serve a single model; with several "
+            "models each runs on a thread of the server"
+        )
+    if args.enable_lora:
+        raise ValueError("--enable-lora serves adapters over the one model of a single-model server")
     if args.models_max < 1:
         raise ValueError("--models-max must be at least 1")
     if not args.models_load_timeout > 0:
@@ -523,7 +584,7 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
             lambda exc: loop.call_soon_threadsafe(registry.engine_died, entry, exc),
         )
         async_engine.listener = metrics.add_model(
-            entry.name, async_engine.stats, lambda: async_engine.max_step_seqs, _cache_info(engine)
+            entry.name, async_engine.stats, lambda: async_engine.max_step_seqs, async_engine.info.cache_info()
         )
         return build_servings(
             async_engine,

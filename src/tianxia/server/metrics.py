@@ -8,6 +8,8 @@ sequences each engine step ran, so one can see that concurrent requests share st
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,6 +157,23 @@ class _EngineCollector(Collector):
                 per_pos.add_metric([model, str(pos)], n)
         yield per_pos
 
+    def _lora(self, stats: dict[str, dict]):
+        """vLLM's ``lora_requests_info`` (one sample, its labels the adapters in use) and
+        requests per adapter, for the models that serve adapters."""
+        lora = {m: s for m, s in stats.items() if "lora_requests_total" in s}
+        if not lora:
+            return
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        total = CounterMetricFamily("tianxia:lora_requests", "Requests per LoRA adapter.",
+                                    labels=["model_name", "lora_name"])
+        for model, s in lora.items():
+            info.add_metric([model, s["lora_running"], s["lora_waiting"], str(s["max_lora"])], time.time())
+            for name, n in s["lora_requests_total"].items():
+                total.add_metric([model, name], n)
+        yield info
+        yield total
+
     def collect(self):
         engines = dict(self.engines)  # models may load or unload while we scrape
         stats = {m: src.stats() for m, src in engines.items()}
@@ -195,6 +214,7 @@ class _EngineCollector(Collector):
                            "Tokens the KV cache holds (its usable blocks x block size).",
                            per_model("kv_cache_capacity_tokens"))
         yield from self._spec_decode(stats)
+        yield from self._lora(stats)
         yield self._family(gauge, "tianxia:step_num_seqs_max",
                            "Most sequences that ran together in one engine step since start.",
                            {m: src.max_step_seqs() for m, src in engines.items()})
@@ -206,6 +226,45 @@ class _EngineCollector(Collector):
             for values in infos:
                 info.add_metric(list(values.values()), 1.0)
             yield info
+
+
+# per-core series of a data-parallel server: (stats key, name, doc, kind)
+_CORE_SERIES = (
+    ("num_running", "tianxia:engine_num_requests_running", "Requests running in this engine core.",
+     GaugeMetricFamily),
+    ("num_waiting", "tianxia:engine_num_requests_waiting", "Requests waiting in this engine core.",
+     GaugeMetricFamily),
+    ("kv_cache_usage", "tianxia:engine_kv_cache_usage_perc",
+     "This engine core's KV-cache usage. 1 means 100 percent usage.", GaugeMetricFamily),
+    ("prefix_cache_queries", "tianxia:engine_prefix_cache_queries",
+     "This engine core's prefix cache queries, in tokens.", CounterMetricFamily),
+    ("prefix_cache_hits", "tianxia:engine_prefix_cache_hits",
+     "This engine core's prefix cache hits, in tokens.", CounterMetricFamily),
+    ("generation_tokens", "tianxia:engine_generation_tokens",
+     "Generation tokens this engine core processed.", CounterMetricFamily),
+    ("routed", "tianxia:engine_routed_requests", "Requests the server sent to this engine core.",
+     CounterMetricFamily),
+    ("routed_by_prefix", "tianxia:engine_routed_by_prefix",
+     "Requests sent to this engine core because it had served their prompt's prefix.",
+     CounterMetricFamily),
+)
+
+
+class _CoreCollector(Collector):
+    """The engine cores behind one model (``--data-parallel-size``), labelled ``engine``: their
+    index, as vLLM labels its data-parallel ranks."""
+
+    def __init__(self, model_name: str, per_core: Callable[[], list[dict[str, float]]]) -> None:
+        self.model_name = model_name
+        self.per_core = per_core
+
+    def collect(self):
+        cores = self.per_core()
+        for key, name, doc, kind in _CORE_SERIES:
+            family = kind(name, doc, labels=["model_name", "engine"])
+            for index, stats in enumerate(cores):
+                family.add_metric([self.model_name, str(index)], float(stats.get(key, 0)))
+            yield family
 
 
 class ModelMetrics(StatsListener):
@@ -356,6 +415,12 @@ class ServerMetrics(ModelMetrics):
         """Report a loaded model's engine; returns its stats listener."""
         self.engines[model_name] = _EngineSource(stats, cache_info or {}, max_step_seqs)
         return self if model_name == self.model_name else ModelMetrics(self, model_name)
+
+    def add_engine_cores(
+        self, model_name: str, per_core: Callable[[], list[dict[str, float]]]
+    ) -> None:
+        """Report each engine core of a data-parallel model on its own (``engine`` label)."""
+        self.registry.register(_CoreCollector(model_name, per_core))
 
     def remove_model(self, model_name: str) -> None:
         """An unloaded model's gauges go; its counters and histograms stay (they are totals)."""

@@ -431,6 +431,8 @@ class ModelRegistry:
         return {"object": "list", "data": [self.card(e, e.name) for e in self.entries]}
 
     def retrieve(self, model_id: str) -> dict[str, Any]:
+        if not self.router:  # its served names and LoRA adapters
+            return self.default.servings.models.retrieve(model_id)  # type: ignore[union-attr]
         entry = self.by_name.get(model_id)
         if entry is None:
             raise _not_found(model_id)

@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from tianxia.engine.async_engine import (
-    AsyncLLMEngine,
+    EngineClient,
     EngineDeadError,
     EngineStepError,
     QueueFullError,
@@ -36,6 +36,7 @@ from tianxia.engine.async_engine import (
     RequestTimeoutError,
     RequestUnsatisfiableError,
 )
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.outputs import CompletionOutput, RequestOutput
 from tianxia.sampling_params import SamplingParams
 from tianxia.server.errors import APIError, bad_request, from_value_error
@@ -234,6 +235,7 @@ class Prepared:
     echo_text: str = ""  # chat ``echo``: the last message's content, sent before the reply
     prompt_logprobs_start: int | None = None  # prompt logprobs only from this position on
     cache_salt: str | None = None  # the request's prefix-cache salt (vLLM's ``cache_salt``)
+    lora_request: LoRARequest | None = None  # the adapter the request's ``model`` names
 
 
 @dataclass
@@ -243,6 +245,7 @@ class ServerState:
     metrics: Any = None
     retry_after_s: int = 1
     draining: bool = False  # set on SIGTERM: new requests get a 503
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 class OpenAIServing:
@@ -251,7 +254,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         models: ServingModels,
         state: ServerState,
         *,
@@ -259,7 +262,7 @@ class OpenAIServing:
         tool_call_parser: str | None = "auto",
     ) -> None:
         self.engine = engine
-        self.llm = engine.engine
+        self.llm = engine.info
         self.models = models
         self.state = state
         self.tokenizer = self.llm.tokenizer
@@ -541,7 +544,7 @@ class OpenAIServing:
                     prompt["prompt_logprobs_start"] = prep.prompt_logprobs_start
                 if prep.cache_salt is not None:
                     prompt["cache_salt"] = prep.cache_salt
-                q = await self.engine.add_request(sub, prompt, params)
+                q = await self.engine.add_request(sub, prompt, params, prep.lora_request)
                 added.append((sub, q))
         except BaseException as e:
             for sub, _ in added:

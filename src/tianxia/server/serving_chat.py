@@ -161,6 +161,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         prep = self.prepare(req)
+        prep.lora_request = self.models.lora_request(model)
         rid = random_id("chatcmpl")
         created = int(time.time())
         stream = None

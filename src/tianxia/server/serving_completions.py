@@ -137,6 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         prep = self.prepare(req)
+        prep.lora_request = self.models.lora_request(model)
         rid = random_id("cmpl")
         created = int(time.time())
         stream = None

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from tianxia.server.errors import APIError, bad_request
 from tianxia.server.protocol import EmbeddingRequest
@@ -44,12 +44,6 @@ class PoolerConfig:
         if kind not in POOLING_TYPES:
             raise ValueError(f"--pooler-config pooling_type must be one of {POOLING_TYPES}")
         return cls(kind, bool(raw.get("normalize", True)))
-
-
-def pool(hidden: torch.Tensor, pooling_type: str, normalize: bool) -> torch.Tensor:
-    """One vector from the hidden states ``[len, hidden_size]`` of one input."""
-    vec = hidden[-1] if pooling_type == "LAST" else hidden.mean(dim=0)
-    return torch.nn.functional.normalize(vec, dim=0) if normalize else vec
 
 
 class OpenAIServingEmbedding(OpenAIServing):
@@ -93,18 +87,16 @@ class OpenAIServingEmbedding(OpenAIServing):
         normalize = self.pooler.normalize if req.normalize is None else req.normalize
         pooling = self.pooler.pooling_type
         try:
-            vectors = await self.engine.call(
-                lambda llm: [pool(llm.hidden_states(ids), pooling, normalize) for ids in inputs]
-            )
+            vectors = await self.engine.utility("embed", inputs, pooling, normalize)
         except RuntimeError as e:  # no free KV blocks for now, or the engine stopped
             raise APIError(503, str(e), code="server_busy") from None
         data = []
         for i, vec in enumerate(vectors):
             if req.encoding_format == "base64":
                 # as vLLM and OpenAI: the float32 values' little-endian bytes
-                embedding: Any = base64.b64encode(vec.numpy().astype("<f4").tobytes()).decode()
+                embedding: Any = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
             else:
-                embedding = vec.tolist()
+                embedding = vec
             data.append({"object": "embedding", "index": i, "embedding": embedding})
         tokens = sum(len(ids) for ids in inputs)
         return {

@@ -271,14 +271,14 @@ class SGLangServing(OpenAIServing):
             "model_path": self.models.name,
             "served_model_name": self.models.name,
             "context_length": self.max_model_len,
-            "max_total_num_tokens": self.llm.block_manager.num_usable_blocks * cache.block_size,
+            "max_total_num_tokens": self.llm.num_usable_blocks * cache.block_size,
             "page_size": cache.block_size,
             "enable_prefix_caching": cache.enable_prefix_caching,
             "internal_states": [dict(self.engine.stats())],
         }
 
     async def flush_cache(self) -> Response:
-        if await self.engine.call(lambda llm: llm.reset_prefix_cache()):
+        if await self.engine.utility("reset_prefix_cache"):
             return Response("Cache flushed.\n", media_type="text/plain")
         return Response("Cache not flushed: requests are running; retry when idle.\n",
                         status_code=400, media_type="text/plain")

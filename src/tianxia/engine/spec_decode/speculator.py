@@ -6,8 +6,11 @@ from tianxia.engine.sequence import Sequence
 from tianxia.config import SpeculativeConfig
 from tianxia.engine.spec_decode.ngram import NgramProposer
 
-# steps a sequence proposes nothing after its acceptance rate fell below the floor
+# steps a sequence proposes nothing after its acceptance rate fell below the floor; the pause
+# doubles with each fall in a row, up to 2**MAX_STRIKES times this: a proposer that is always
+# wrong then costs a verification every few hundred steps instead of every 16
 BACKOFF_STEPS = 16
+MAX_STRIKES = 5
 # weight of the latest step in a sequence's running acceptance rate
 ACCEPTANCE_WEIGHT = 0.5
 
@@ -59,7 +62,9 @@ class Speculator:
                 seq.spec_token_ids = [0] * k
             return
         for seq, k in todo:
-            seq.spec_token_ids = self.ngram.propose(seq.token_ids, k)
+            if seq.ngram_index is None:
+                seq.ngram_index = self.ngram.new_index()
+            seq.spec_token_ids = self.ngram.propose(seq.token_ids, k, seq.ngram_index)
         if cfg.draft_min:
             for seq, _ in todo:
                 if len(seq.spec_token_ids) < cfg.draft_min:
@@ -85,9 +90,12 @@ class Speculator:
         seq.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - seq.spec_acceptance)
         floor = self.config.min_acceptance_rate
         if seq.spec_acceptance < floor:
-            seq.spec_backoff = BACKOFF_STEPS
+            seq.spec_backoff = BACKOFF_STEPS << min(seq.spec_strikes, MAX_STRIKES)
+            seq.spec_strikes += 1
             # one more bad step after the pause sends it back: it restarts just above the floor
             seq.spec_acceptance = min(1.0, floor * 1.5)
+        elif rate >= floor:
+            seq.spec_strikes = 0
 
     @property
     def acceptance_rate(self) -> float:

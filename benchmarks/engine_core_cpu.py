@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""The engine core in its own process against the engine on the server's thread, and both against
+the offline decode step: one script, one machine, one run.
+
+- offline: ``LLM.generate`` of one 128-token prompt (random token ids), 1 token and then 65
+  tokens (``ignore_eos``), ``--threads`` threads; the decode step is the difference over 64;
+- served, for ``--engine-core thread`` and ``process`` in turn (ABBA over ``--rounds``): at
+  concurrency 1, sequential streamed requests of the same shape, TPOT =
+  (last token - first token) / (tokens - 1), median over requests; at concurrency 16, 32 streamed
+  requests (128 in / 64 out), output tokens/s over the wall time; then, idle, the share of a
+  core that the server and its engine core use over 10 s.
+
+    python benchmarks/engine_core_cpu.py --threads 2 --out benchmarks/results/engine_core/cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from tianxia.server.testing import ServerProcess  # noqa: E402
+
+OFFLINE = """
+import json, random, statistics, sys, time
+from tianxia import LLM, SamplingParams
+model, threads = sys.argv[1], int(sys.argv[2])
+llm = LLM(model, threads=threads, max_model_len=512, kv_cache_memory="256MiB")
+r = random.Random(0)
+prompt = {"prompt_token_ids": [r.randrange(1, 5000) for _ in range(128)]}
+
+def timed(n):
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0),
+                 use_tqdm=False)
+    return time.perf_counter() - t
+
+timed(65)
+steps = [(timed(65) - timed(1)) / 64 for _ in range(5)]
+print(json.dumps({"decode_step_ms": 1000 * statistics.median(steps)}))
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its children still alive (the engine cores)."""
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        pids += [int(c) for c in (task / "children").read_text().split()]
+    total = 0.0
+    for p in pids:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def idle_cpu(pid: int, seconds: float = 10.0) -> float:
+    """The share of one core the server (and its cores) use while no request comes."""
+    time.sleep(3.0)  # past the last step's OpenMP spinning
+    c0 = cpu_seconds(pid)
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - c0) / seconds
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(1, 5000) for _ in range(128)] for _ in range(n)]
+
+
+async def one(client: httpx.AsyncClient, url: str, ids: list[int], out_len: int) -> tuple[int, float]:
+    """Streams one request; returns (tokens, TPOT seconds)."""
+    body = { "prompt": ids, "max_tokens": out_len, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode()}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return len(times), (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+async def served(url: str, out_len: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        for ids in prompts(2, 1):  # warm-up
+            await one(client, url, ids, out_len)
+        tpots = [(await one(client, url, ids, out_len))[1] for ids in prompts(6, 2)]
+        sem = asyncio.Semaphore(16)
+
+        async def limited(ids):
+            async with sem:
+                return await one(client, url, ids, out_len)
+
+        t = time.perf_counter()
+        results = await asyncio.gather(*(limited(ids) for ids in prompts(32, 3)))
+        wall = time.perf_counter() - t
+    return {"tpot_c1_ms": 1000 * statistics.median(tpots),
+            "tok_s_c16": sum(n for n, _ in results) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    offline = json.loads(subprocess.run(
+        [sys.executable, "-c", OFFLINE, args.model, str(args.threads)], check=True,
+        capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()[-1])
+    print("offline", offline, flush=True)
+    order = []
+    for i in range(args.rounds):
+        order += ["thread", "process"] if i % 2 == 0 else ["process", "thread"]
+    runs: dict[str, list[dict]] = {"thread": [], "process": []}
+    for mode in order:
+        srv = ServerProcess([args.model, "--threads", str(args.threads), "--engine-core", mode,
+                             "--max-model-len", "512", "--max-num-seqs", "16",
+                             "--kv-cache-memory", "256MiB", "--disable-log-stats",
+                             "--disable-access-log"])
+        with srv:
+            result = asyncio.run(served(srv.url, 64))
+            result["idle_cpu_share"] = idle_cpu(srv.proc.pid)
+        print(mode, result, flush=True)
+        runs[mode].append(result)
+    summary = {"offline_decode_step_ms": offline["decode_step_ms"]}
+    for mode, results in runs.items():
+        tpot = statistics.median(r["tpot_c1_ms"] for r in results)
+        summary[mode] = {"tpot_c1_ms": tpot, "tpot_vs_offline": tpot / offline["decode_step_ms"],
+                         "tok_s_c16": statistics.median(r["tok_s_c16"] for r in results),
+                         "idle_cpu_share": max(r["idle_cpu_share"] for r in results)}
+    summary["runs"] = runs
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

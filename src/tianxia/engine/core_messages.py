@@ -1,0 +1,73 @@
+"""What the API process and an engine core process say to each other, over ZeroMQ in msgpack.
+
+Only data crosses: request ids, prompts (token ids, text), sampling parameters as their fields,
+outputs, finish reasons, statistics. To the core, plain tuples (``("add", rid, prompt, params,
+arrival)``, ``("abort", rid)``, ``("utility", call_id, name, args)``, ``("shutdown",)``); from the
+core, the tagged structs below, decoded into their types by one typed decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import msgspec
+
+from tianxia.engine.async_engine import RequestStats, StepStats
+from tianxia.outputs import RequestOutput
+from tianxia.sampling_params import SamplingParams
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The engine is loaded and warmed up; ``facts`` are :meth:`EngineInfo.facts`."""
+
+    facts: dict[str, Any]
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    """Loading failed; ``error`` is the pickled exception (for the same one-line CLI error)."""
+
+    error: bytes
+    text: str
+
+
+class Outputs(msgspec.Struct, tag=True, omit_defaults=True):
+    """Everything one engine-loop turn produced, in one message."""
+
+    outputs: list[RequestOutput] = []
+    # request id, error class name (``async_engine``'s), message
+    errors: list[tuple[str, str, str]] = []
+    # request id, error message (None: accepted), whether it is a ValueError (a 400)
+    acks: list[tuple[str, str | None, bool]] = []
+    # call id, result, error message
+    replies: list[tuple[int, Any, str | None]] = []
+    steps: list[StepStats] = []
+    first_tokens: list[float] = []
+    inter_tokens: list[tuple[float, int]] = []
+    done: list[RequestStats] = []
+    stats: dict[str, float] | None = None
+    adds_taken: int = 0
+    max_step_seqs: int = 0
+
+
+class Dead(msgspec.Struct, tag=True):
+    """The engine loop crashed; the core exits after sending this."""
+
+    reason: str
+
+
+FromCore = Union[Ready, StartupFailed, Outputs, Dead]
+
+encoder = msgspec.msgpack.Encoder()
+from_core = msgspec.msgpack.Decoder(FromCore)
+to_core = msgspec.msgpack.Decoder()
+
+
+def params_fields(params: SamplingParams) -> dict[str, Any]:
+    """The constructor arguments of ``params`` (the core builds and validates it again)."""
+    out = {}
+    for f in dataclasses.fields(params):
+        if f.init:
+            value = getattr(params, f.name)
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return out

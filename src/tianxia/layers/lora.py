@@ -1,0 +1,240 @@
+"""LoRA adapters over a model's fused projections, and the grouped product that applies many of
+them to one batch.
+
+An adapter is read from a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)
+into one pair of matrices per fused module of the base (``qkv_proj``, ``o_proj``,
+``gate_up_proj``, ``down_proj``): the parts' ``A`` stacked (``[R, in]``) and their ``B`` as one
+block-diagonal ``[out, R]`` matrix with the scaling folded in, so a fused module's delta is two
+products whatever subset of its parts the adapter targets. (``loader/gguf_lora.py`` reads
+llama.cpp's GGUF adapters into the same form through :func:`build_adapter`.)
+
+A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): the runner orders
+them by adapter, each adapter present multiplies its own run of rows in place, and the base rows
+cost nothing. The products go through
+:func:`~tianxia.quant.cpu_kernels.dense_linear` on CPU, which computes each row alone, so a row's
+delta does not depend on what else is in the batch. The deltas are added by forward hooks on the
+fused modules, so the model code is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tianxia.quant.cpu_kernels import dense_linear
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served on this base model (the message says why)."""
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A fused module of the base and the checkpoint modules it is made of, in row order."""
+
+    module: str  # our module name, e.g. "model.layers.0.self_attn.qkv_proj"
+    parts: tuple[tuple[str, int], ...]  # (checkpoint module name, its output rows)
+    in_features: int
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's matrices, per fused module name: (A ``[R, in]``, scaled B ``[out, R]``)."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+# PEFT keys: "base_model.model.<module>.lora_A[.<adapter name>].weight"
+_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_REFUSED_OPTIONS = {
+    "modules_to_save": "it replaces whole modules (modules_to_save), which a shared base cannot serve per request",
+    "use_dora": "DoRA (use_dora) is not supported",
+    "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+    "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D layouts) is not supported",
+}
+
+
+def read_peft_config(path: str | Path) -> dict:
+    """``adapter_config.json`` of a PEFT adapter directory, checked for what we can serve."""
+    path = Path(path)
+    cfg_file = path / "adapter_config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise LoRAError(f"{path}: not a PEFT adapter directory (no adapter_config.json)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"{cfg_file}: unreadable adapter config ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{cfg_file}: not a LoRA adapter (peft_type {cfg.get('peft_type')!r})")
+    for key, why in _REFUSED_OPTIONS.items():
+        if cfg.get(key):
+            raise LoRAError(f"{path}: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise LoRAError(f"{path}: trained biases (bias={cfg['bias']!r}) are not supported")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0:
+        raise LoRAError(f"{cfg_file}: 'r' must be a positive integer")
+    return cfg
+
+
+def load_peft_adapter(
+    name: str, path: str | Path, targets: dict[str, LoRATarget], max_rank: int, scale: float = 1.0,
+) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter for a base whose fused modules are ``targets`` (keyed by our
+    module name), its deltas times ``scale`` (llama.cpp's ``--lora-scaled``). Every problem
+    (rank above ``max_rank``, modules the base lacks, shapes of another model, a corrupt file) is
+    a :class:`LoRAError` naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = read_peft_config(path)
+    rank = cfg["r"]
+    alpha = cfg.get("lora_alpha", rank)
+    scaling = scale * (alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank)
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        raise LoRAError(f"{path}: no adapter_model.safetensors")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoRAError(f"{file}: unreadable safetensors file ({e})") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    others = []
+    for key, tensor in tensors.items():
+        m = _PEFT_KEY.match(key)
+        if m is None:
+            others.append(key)
+        else:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
+    if others and all(m in _owners(targets) for m in pairs):
+        raise LoRAError(f"{file}: unexpected tensor {others[0]!r} (only lora_A / lora_B weights are served)")
+    return build_adapter(name, path, pairs, rank, scaling, targets, max_rank)
+
+
+def build_adapter(name: str, path: str | Path, pairs: dict[str, dict[str, torch.Tensor]], rank: int,
+                  scaling: float, targets: dict[str, LoRATarget], max_rank: int) -> LoRAAdapter:
+    """An adapter from its ``A`` / ``B`` matrices per checkpoint module (Hugging Face names,
+    ``pairs[module]["A"]`` ``[rank, in]``, ``["B"]`` ``[out, rank]``), checked against the base."""
+    if rank > max_rank:
+        raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+    owner = _owners(targets)
+    lacking = sorted(m for m in pairs if m not in owner)
+    if lacking:
+        raise LoRAError(f"{path}: the base model has no module {lacking[0]!r} to adapt "
+                        f"(adapters may target q/k/v/o and gate/up/down projections)")
+    weights = {}
+    for target in {owner[m].module: owner[m] for m in pairs}.values():
+        weights[target.module] = _fuse(target, pairs, rank, scaling, path)
+    if not weights:
+        raise LoRAError(f"{path}: no LoRA weights")
+    return LoRAAdapter(name, str(path), rank, weights)
+
+
+def _owners(targets: dict[str, LoRATarget]) -> dict[str, LoRATarget]:
+    """Checkpoint module name -> the fused target it belongs to."""
+    return {part: t for t in targets.values() for part, _ in t.parts}
+
+
+def stack_adapters(name: str, adapters: list[LoRAAdapter]) -> LoRAAdapter:
+    """One adapter whose delta is the sum of ``adapters``' (llama.cpp applies every ``--lora``
+    at once): their A rows and B columns side by side, a rank-sum adapter."""
+    if len(adapters) == 1:
+        return LoRAAdapter(name, adapters[0].path, adapters[0].rank, adapters[0].weights)
+    weights = {}
+    for module in dict.fromkeys(m for a in adapters for m in a.weights):
+        parts = [a.weights[module] for a in adapters if module in a.weights]
+        weights[module] = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], dim=1))
+    return LoRAAdapter(name, adapters[0].path, sum(a.rank for a in adapters), weights)
+
+
+def _fuse(target: LoRATarget, pairs: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
+          file: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused module's (A, B): the targeted parts' A stacked, their B block-diagonal and scaled."""
+    present = [(part, rows) for part, rows in target.parts if part in pairs]
+    out = sum(rows for _, rows in target.parts)
+    a = torch.zeros(rank * len(present), target.in_features)
+    b = torch.zeros(out, rank * len(present))
+    row = 0
+    col = 0
+    for part, rows in target.parts:
+        if part in pairs:
+            ab = pairs[part]
+            if set(ab) != {"A", "B"}:
+                raise LoRAError(f"{file}: {part} has lora_{'A' if 'A' not in ab else 'B'} missing")
+            want_a, want_b = (rank, target.in_features), (rows, rank)
+            if tuple(ab["A"].shape) != want_a or tuple(ab["B"].shape) != want_b:
+                raise LoRAError(
+                    f"{file}: {part} has lora_A {tuple(ab['A'].shape)} and lora_B {tuple(ab['B'].shape)}, "
+                    f"this base needs {want_a} and {want_b} (an adapter of another base model?)")
+            a[col : col + rank] = ab["A"].float()
+            b[row : row + rows, col : col + rank] = ab["B"].float() * scaling
+            col += rank
+        row += rows
+    return a, b
+
+
+class LoRAState:
+    """The adapters a model serves (by slot) and the current step's rows per adapter; forward
+    hooks on the targeted modules add each group's delta to the module's output."""
+
+    def __init__(self, model: nn.Module, targets: dict[str, LoRATarget]) -> None:
+        self.targets = targets
+        self.slots: dict[int, LoRAAdapter] = {}
+        # per step: the (slot, first row, end row) runs of adapter rows, for every row count the
+        # step sees (the whole batch, and the kept rows of the last layer's MLP)
+        self._groups: dict[int, list[tuple[int, int, int]]] = {}
+        for name in targets:
+            model.get_submodule(name).register_forward_hook(self._hook(name))
+
+    def begin_step(self, row_slots: list[int], keep: list[int] | None) -> None:
+        """Set the adapter slot of every row of the step (-1: the base model). The runner orders
+        a step's rows by adapter, so each adapter's rows are one or two runs (decodes, prompts)
+        and its product reads them in place."""
+        self._groups = {len(row_slots): _runs(row_slots)}
+        if keep is not None:
+            self._groups.setdefault(len(keep), _runs([row_slots[r] for r in keep]))
+
+    def end_step(self) -> None:
+        self._groups = {}
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            groups = self._groups.get(output.shape[0]) if self._groups else None
+            if not groups:
+                return output
+            x = inputs[0]
+            for slot, start, end in groups:
+                ab = self.slots[slot].weights.get(name)
+                if ab is not None:
+                    a, b = ab
+                    output[start:end] += dense_linear(dense_linear(x[start:end].float(), a), b).to(output.dtype)
+            return output
+
+        return hook
+
+
+def _runs(row_slots: list[int]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) for each run of consecutive rows with one adapter."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(row_slots):
+        if s < 0:
+            continue
+        if runs and runs[-1][0] == s and runs[-1][2] == i:
+            runs[-1] = (s, runs[-1][1], i + 1)
+        else:
+            runs.append((s, i, i + 1))
+    return runs
