@@ -74,7 +74,7 @@ def offline_texts(smollm2_llm):
 
 
 def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts):
-    srv = ServerProcess(ARGS).start()
+    srv = ServerProcess([*ARGS, "--shutdown-timeout", "300"]).start()  # drains on a loaded CPU
     try:
         (pid,) = core_pids(srv)
         assert alive(pid) and pid != srv.proc.pid

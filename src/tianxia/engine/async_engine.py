@@ -221,8 +221,8 @@ class EngineClient:
         raise NotImplementedError
 
     def _send(self, command: tuple) -> None:
-        """Hand ``("add", rid, prompt, params, arrival, future)`` or ``("abort", rid)`` to the
-        engine; raises :class:`EngineDeadError` when it is not running."""
+        """Hand ``("add", rid, prompt, params, arrival, lora_request, future)`` or
+        ``("abort", rid)`` to the engine; raises :class:`EngineDeadError` when it is not running."""
         raise NotImplementedError
 
     async def utility(self, name: str, *args: Any) -> Any:

@@ -259,7 +259,7 @@ class EngineCoreClient(EngineClient):
     def _send(self, command: tuple) -> None:
         self._check_running()
         if command[0] == "add":
-            _, rid, prompt, params, arrival, fut = command
+            _, rid, prompt, params, arrival, lora_request, fut = command
             with self._count_lock:  # the base class counted it in _pending_adds
                 self._pending_adds -= 1
             core = self._route(rid, prompt)
@@ -268,7 +268,9 @@ class EngineCoreClient(EngineClient):
             self._owner[rid] = core
             core.requests.add(rid)
             core.inp.send(msgs.encoder.encode(
-                ("add", rid, prompt, msgs.params_fields(params), arrival)), copy=False)
+                ("add", rid, prompt, msgs.params_fields(params), arrival,
+                 None if lora_request is None else [lora_request.lora_name, lora_request.lora_path])),
+                copy=False)
         elif command[0] == "abort":
             core = self._owner.pop(command[1], None)
             if core is not None:

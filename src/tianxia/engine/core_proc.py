@@ -36,6 +36,7 @@ from tianxia.engine.async_engine import (
     build_off_main_thread,
 )
 from tianxia.engine.engine_info import EngineInfo
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class EngineCore(AsyncLLMEngine):
         """One message from the API process; False once it says ``shutdown``."""
         kind = message[0]
         if kind == "add":
-            _, rid, prompt, fields, arrival = message
+            _, rid, prompt, fields, arrival, lora = message
             fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.add_done_callback(lambda f, rid=rid: self._ack(rid, f))
             try:
@@ -108,7 +109,8 @@ class EngineCore(AsyncLLMEngine):
                 return True
             with self._count_lock:
                 self._pending_adds += 1
-            self._commands.put(("add", rid, prompt, params, arrival, fut))
+            lora_request = None if lora is None else LoRARequest(lora[0], lora_path=lora[1])
+            self._commands.put(("add", rid, prompt, params, arrival, lora_request, fut))
         elif kind == "abort":
             self._commands.put(("abort", message[1]))
         elif kind == "utility":
