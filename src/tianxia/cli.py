@@ -13,6 +13,7 @@ import time
 
 from tianxia import __version__
 from tianxia.config import (
+    add_parallel_args,
     add_quantization_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
@@ -34,6 +35,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     add_quantization_args(p)
     add_speculative_args(p)
+    add_parallel_args(p)
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
@@ -63,6 +65,9 @@ def _make_llm(args: argparse.Namespace):
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative_config=speculative_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         enable_lora=bool(_lora_sources(args)),
         max_lora_rank=_CLI_MAX_LORA_RANK,
     )

@@ -207,12 +207,18 @@ class EngineConfig:
     # by default
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
+    # tensor parallelism (CPU, gloo): ranks 1..N-1 are worker processes; their rendezvous address
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("cpu_activations", self.cpu_activations, CPU_ACTIVATIONS)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1; got {self.tensor_parallel_size}")
 
 
 # --quantization: what happens to the weights at load. Adding a method is one entry here plus its
@@ -282,6 +288,15 @@ def add_quantization_args(parser) -> None:
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
     )
+
+
+def add_parallel_args(parser) -> None:
+    """``--tensor-parallel-size`` / ``-tp`` and the rendezvous of its ranks."""
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over N ranks (processes; CPU, torch.distributed gloo)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0's rendezvous")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port of rank 0's rendezvous (default: a free one)")
 
 
 def add_kv_cache_args(parser) -> None:

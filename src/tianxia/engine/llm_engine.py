@@ -106,12 +106,13 @@ def _oom_message(what: str, device: torch.device, err: Exception) -> str:
     )
 
 
-def make_runner(model, model_config, cache_config, device, dtype, seed) -> ModelRunner:
+def make_runner(model, model_config, cache_config, device, dtype, seed,
+                runner_class: type[ModelRunner] = ModelRunner) -> ModelRunner:
     """The model runner; on CUDA an out-of-memory KV cache is a message with the numbers."""
     if device.type != "cuda":
-        return ModelRunner(model, model_config, cache_config, device, dtype, seed=seed)
+        return runner_class(model, model_config, cache_config, device, dtype, seed=seed)
     try:
-        return ModelRunner(model, model_config, cache_config, device, dtype, seed=seed)
+        return runner_class(model, model_config, cache_config, device, dtype, seed=seed)
     except torch.cuda.OutOfMemoryError as e:
         per_block = kv_bytes_per_token(model_config, dtype) * cache_config.block_size
         want = (cache_config.num_blocks * per_block if cache_config.num_blocks
@@ -220,10 +221,16 @@ class LLMEngine:
             from tianxia.engine.kernel_cache import configure_gpu_caches
 
             configure_gpu_caches()  # Triton's kernel and autotuning caches: see ``tianxia build``
-        backend = get_backend(self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device, backend=backend,
-                            quantization=config.quantization)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        runner_class, tp = ModelRunner, None
+        if config.tensor_parallel_size > 1:
+            from tianxia.distributed import tensor_parallel as tp
+
+            loaded = tp.load_model(config, self.dtype, self.device, self.kv_dtype)
+            runner_class = tp.TensorParallelRunner
+        else:
+            loaded = load_model(config.model, dtype=self.dtype, device=self.device,
+                                backend=get_backend(self.device), quantization=config.quantization)
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
         if self.device.type == "cpu":  # float products that do not depend on the batch
@@ -245,7 +252,9 @@ class LLMEngine:
         if self.device.type == "cuda" and cache_config.gpu_memory_utilization is not None:
             cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.kv_dtype)
         self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.kv_dtype,
-                                  config.seed)
+                                  config.seed, runner_class)
+        if tp is not None:
+            tp.wait_for_workers(self.runner)
         self.runner.eos_ids = self.eos_ids
         sched = config.scheduler
         window = attention_window(loaded.model)

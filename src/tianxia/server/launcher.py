@@ -23,6 +23,7 @@ from tianxia.config import (
     SchedulerConfig,
     add_lora_args,
     add_quantization_args,
+    add_parallel_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
     lora_from_args,
@@ -155,6 +156,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="CPU intra-op threads (default: the physical cores)")
     add_quantization_args(p)
     add_speculative_args(p)
+    add_parallel_args(p)
     add_lora_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
@@ -375,6 +377,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         lora=lora_from_args(args),
     )
 
@@ -460,13 +465,19 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
     if config.lora is not None and args.data_parallel_size > 1:
         raise ValueError("--enable-lora serves its adapters from one engine: it does not combine "
                          "with --data-parallel-size")
-    if args.engine_core == "thread" or config.lora is not None:
+    tensor_parallel = config.tensor_parallel_size > 1
+    if tensor_parallel and args.data_parallel_size > 1:
+        raise ValueError("--tensor-parallel-size does not combine with --data-parallel-size yet")
+    if args.engine_core == "thread" or config.lora is not None or tensor_parallel:
         from tianxia.engine.async_engine import build_off_main_thread
         from tianxia.engine.llm_engine import LLMEngine
 
         if args.engine_core == "process":
-            # the adapter registry and the runtime load/unload live beside the engine
-            logger.info("--enable-lora: the engine runs on a thread of the server (--engine-core thread)")
+            # LoRA: the adapter registry and the runtime load/unload live beside the engine;
+            # tensor parallelism: the engine starts its worker ranks, which a daemonic core
+            # process may not
+            logger.info("%s: the engine runs on a thread of the server (--engine-core thread)",
+                        "--enable-lora" if config.lora is not None else "--tensor-parallel-size")
         engine = build_off_main_thread(lambda: LLMEngine(config))
         for name, path in parse_lora_modules(args.lora_modules):
             engine.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
