@@ -5,8 +5,8 @@ replica's (``tianxia serve``'s own app). A replica lost before its answer gives 
 error shape; one lost mid-stream ends the stream with an error event, never a hang.
 """
 
-from __future__ import annotations
 
+# no `from __future__ import annotations`: FastAPI reads the route signature at run time
 import json
 import logging
 from typing import Any
