@@ -88,6 +88,7 @@ def main() -> None:
                 "num_gpus": a.num_gpus, "router": router, "serve_args": a.serve_args,
             }), name="bench", route_prefix="/")
             startup = time.monotonic() - started
+            print(f"{router}: {a.replicas} replicas up in {startup:.1f}s", flush=True)
             r = workload(f"http://127.0.0.1:{port}", a.conversations, a.turns, a.max_tokens)
             rows.append((router, startup, asyncio.run(r)))
             serve.delete("bench")

@@ -151,3 +151,22 @@ def test_killed_replica_fails_cleanly_and_comes_back(client, ray_app):
     else:
         pytest.fail(f"the replica was not replaced: {status}")
     assert client.completions.create(model=model, prompt="Hello", max_tokens=2).choices[0].text
+
+
+def test_ray_replicas_flags_go_to_the_replicas():
+    from tianxia.ray.local import replica_flags
+
+    argv = ["serve", "smollm2-135m", "--ray-replicas", "2", "--port", "9000", "--threads", "1",
+            "--host=0.0.0.0", "--kv-cache-memory", "128MiB"]
+    assert replica_flags(argv, "smollm2-135m") == ["--threads", "1", "--kv-cache-memory", "128MiB"]
+
+
+def test_app_arguments_are_checked():
+    from tianxia.ray import app
+
+    with pytest.raises(ValueError, match="needs model"):
+        app({})
+    with pytest.raises(ValueError, match="unknown argument"):
+        app({"model": "smollm2-135m", "replicas": 2})
+    with pytest.raises(ValueError, match="router must be"):
+        app({"model": "smollm2-135m", "router": "random"})
