@@ -62,7 +62,8 @@ def _sse_error(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-@serve.deployment(max_ongoing_requests=1000)
+# no CPU reserved: it only forwards, and must not wait for cores the replicas hold
+@serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
     def __init__(self, replicas: DeploymentHandle) -> None:
