@@ -27,14 +27,14 @@ def system_prompt(i: int) -> str:
     return (f"You are assistant number {i} of a shop that sells tools. " * 12).strip()
 
 
-async def conversation(client: httpx.AsyncClient, url: str, i: int, turns: int,
+async def conversation(client: httpx.AsyncClient, url: str, model: str, i: int, turns: int,
                        max_tokens: int) -> dict[str, int]:
     messages = [{"role": "system", "content": system_prompt(i)}]
     totals = {"prompt": 0, "cached": 0, "completion": 0}
     for t in range(turns):
         messages.append({"role": "user", "content": f"Question {t}: which tool cuts wood?"})
         r = await client.post(url, json={
-            "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True,
         })
         r.raise_for_status()
@@ -49,9 +49,10 @@ async def conversation(client: httpx.AsyncClient, url: str, i: int, turns: int,
 
 async def workload(base: str, conversations: int, turns: int, max_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(base + "/v1/models")).json()["data"][0]["id"]
         start = time.perf_counter()
         results = await asyncio.gather(*(
-            conversation(client, base + "/v1/chat/completions", i, turns, max_tokens)
+            conversation(client, base + "/v1/chat/completions", model, i, turns, max_tokens)
             for i in range(conversations)
         ))
         elapsed = time.perf_counter() - start
