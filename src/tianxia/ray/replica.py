@@ -12,8 +12,7 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ray import serve
 
@@ -35,7 +34,6 @@ class ResponseHead:
     replica: str
     body: bytes = b""  # the whole body, unless ``streamed``
     streamed: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def serve_args(model: str, extra: list[str]) -> argparse.Namespace:
