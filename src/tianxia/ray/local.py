@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import time
 
 # flags the ingress, not a replica, takes (with their values)
@@ -56,6 +57,10 @@ def run_local(args: argparse.Namespace, argv: list[str], default_model: str) -> 
     )
     print(f"{args.ray_replicas} replica(s) of {model} ready in {time.monotonic() - started:.1f}s "
           f"on http://{args.host}:{args.port}", flush=True)
+    def stop(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # a supervisor's stop shuts the replicas down too
     try:
         while True:
             time.sleep(3600)
