@@ -1,6 +1,10 @@
 """The prefix-aware router's trie: longest match, per-replica ownership, forgetting old prompts."""
 
-from tianxia.ray.prefix_tree import PrefixTree
+import pytest
+
+pytest.importorskip("ray.serve")  # the package tianxia.ray needs Ray Serve (extra `ray`)
+
+from tianxia.ray.prefix_tree import PrefixTree  # noqa: E402
 
 
 def test_longest_prefix_and_owners():
