@@ -196,6 +196,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray_replicas is not None:
+        from tianxia.ray.local import run_local
+
+        return run_local(args, args.argv, DEFAULT_MODEL)
     from tianxia.server import run_server
 
     return run_server(args, DEFAULT_MODEL)
@@ -228,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vllm serve style)")
     add_serve_args(serve, DEFAULT_MODEL)
+    serve.add_argument(
+        "--ray-replicas", type=int, default=None, metavar="N",
+        help="N replicas on a local Ray Serve instance behind one ingress, with prefix-aware "
+        "routing (needs tianxia[ray]; docs/SCALING.md)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     hub.add_pull_parser(sub)
@@ -255,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # serve --ray-replicas passes them on
     level = getattr(args, "log_level", "warning").upper()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
