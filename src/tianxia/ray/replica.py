@@ -42,7 +42,11 @@ def serve_args(model: str, extra: list[str]) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="tianxia serve")
     add_serve_args(p, model)
-    return p.parse_args([model, *extra])
+    args = p.parse_args([model, *extra])
+    # a replica is already a process of its own, whose life Ray manages: its engine runs on a
+    # thread of it rather than in a core process of its own
+    args.engine_core = "thread"
+    return args
 
 
 def _build_app(args: argparse.Namespace):
