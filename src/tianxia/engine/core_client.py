@@ -226,7 +226,13 @@ class EngineCoreClient(EngineClient):
         total: dict[str, float] = {}
         for snap in per_core:
             for key, value in snap.items():
-                total[key] = value if key in _SAME_STATS else total.get(key, 0) + value
+                if key in _SAME_STATS or key not in total:
+                    total[key] = value
+                elif isinstance(value, list):  # per position: summed position by position
+                    mine = total[key]
+                    total[key] = [a + b for a, b in itertools.zip_longest(mine, value, fillvalue=0)]
+                else:
+                    total[key] += value
         for key in _MEAN_STATS:
             if key in total:
                 total[key] /= len(per_core)

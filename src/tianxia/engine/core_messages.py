@@ -45,7 +45,8 @@ class Outputs(msgspec.Struct, tag=True, omit_defaults=True):
     first_tokens: list[float] = []
     inter_tokens: list[tuple[float, int]] = []
     done: list[RequestStats] = []
-    stats: dict[str, float] | None = None
+    # counters; per-position ones as lists (speculative decoding's accepted tokens per position)
+    stats: dict[str, float | list[float]] | None = None
     adds_taken: int = 0
     max_step_seqs: int = 0
 

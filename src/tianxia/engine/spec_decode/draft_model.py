@@ -31,6 +31,7 @@ class _DraftInput:
     block_table: list[int]
     num_prompt_tokens: int = 0
     prompt_logprobs: None = None
+    lora_slot: int = -1  # the draft proposes without adapters (verification keeps it exact)
 
     def __len__(self) -> int:
         return len(self.token_ids)
