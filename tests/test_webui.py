@@ -334,6 +334,8 @@ def test_the_picker_of_a_real_server_with_several_models(browser, smollm2_path, 
             return page.eval_on_selector_all(
                 "#model option", "os => os.map(o => [o.textContent, o.dataset.status, o.title])")
 
+        # the picker fills from /v1/models after the page is ready
+        page.wait_for_function("() => document.querySelectorAll('#model option[data-status]').length == 2")
         assert options() == [["smol (unloaded)", "unloaded", ""],
                              ["broken (unloaded)", "unloaded", ""]]
         body, stream = send(page, "Hello!")  # waits for smol to load, then streams
