@@ -331,11 +331,22 @@ def section_sampler(args):
     from tianxia.layers.sampler import Sampler, SamplingBatch
     from tianxia.sampling_params import SamplingParams
 
+    from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
+
     res = {}
     vocab = 512 if args.dry_run else _DIMS["vocab_size"]
     timer = _cuda_ms if args.device == "cuda" else _cpu_ms
     sampler = Sampler(0)
-    for rows in (1, 64, 256):
+    ladder = [1, 64, 256]
+
+    def graphed_sampler(seed: int) -> Sampler:
+        s = Sampler(seed)
+        s.graphs = SamplerGraphs(ladder, vocab, torch.device(args.device))
+        s.graphs.warm_up(DEFAULT_KINDS)
+        return s
+
+    graphed = graphed_sampler(0) if args.device == "cuda" else None
+    for rows in ladder:
         torch.manual_seed(rows)
         logits = torch.randn(rows, vocab, device=args.device) * 3
         r = {"greedy": timer(lambda: logits.argmax(-1).cpu())}
@@ -344,6 +355,12 @@ def section_sampler(args):
             seqs = [_Row(SamplingParams(seed=i if seeded else None, **kw), i if seeded else None) for i in range(rows)]
             batch = SamplingBatch.from_sequences(seqs, eos_ids=(2,))
             r[name] = timer(lambda: sampler(logits.clone(), batch))
+            r[f"{name}_batch_build"] = _cpu_ms(lambda: SamplingBatch.from_sequences(seqs, eos_ids=(2,)), 20)
+            if graphed is not None:
+                r[f"{name}_graphed"] = timer(lambda: graphed(logits.clone(), batch))
+                # the same keys give the same tokens, eager or replayed
+                same = Sampler(5)(logits.clone(), batch).tokens == graphed_sampler(5)(logits.clone(), batch).tokens
+                r[f"{name}_graphed_same"] = float(same)
         res[rows] = r
         if args.device != "cuda":  # the kernels alone need a GPU (or Triton's interpreter)
             continue

@@ -830,3 +830,29 @@ def test_device_sampler_is_seeded_per_row_and_keeps_greedy_rows():
     # the same seed and position draw the same token in every row; unseeded rows draw apart
     assert len(set(sample([seeded] * 8, target.expand(8, vocab)))) == 1
     assert len(set(sample([SamplingParams(temperature=1.0)] * 8, torch.zeros(8, vocab)))) > 1
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 40, "top_p": 0.9}, {"top_k": 900, "min_p": 0.05}])
+def test_graphed_sampler_draws_what_the_eager_device_path_draws(extra):
+    """The sampler's graphs (run here without capture, over their static buffers and padded to a
+    ladder size) give the eager device path's tokens for the same noise keys, greedy rows too."""
+    from tianxia.engine.sequence import Sequence
+    from tianxia.layers.sampler import Sampler, SamplingBatch
+    from tianxia.layers.sampler_graphs import SamplerGraphs
+    from tianxia.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 1000
+    params = [SamplingParams(**{"temperature": 0.8, "top_p": 0.95, **extra}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, seed=7, **extra), SamplingParams(temperature=0.6, **extra),
+              SamplingParams(temperature=0.9, top_p=0.5, seed=1)]
+    seqs = [Sequence(f"r{i}", None, [1, 2, 3], p) for i, p in enumerate(params)]
+    logits = torch.randn(len(params), vocab, generator=g) * 3
+    batch = SamplingBatch.from_sequences(seqs, eos_ids=(0,))
+    eager = Sampler(seed=4, device_kernels=True)(logits.clone().to(DEV), batch).tokens
+    graphed = Sampler(seed=4, device_kernels=True)
+    graphed.graphs = SamplerGraphs([8], vocab, torch.device(DEV), use_graphs=False)
+    assert graphed(logits.clone().to(DEV), batch).tokens == eager
+    assert eager[1] == int(logits[1].argmax())
+    # a second step of the same kind reuses what the first compiled; the keys move on
+    assert graphed(logits.clone().to(DEV), batch).tokens[1] == eager[1]

@@ -26,6 +26,7 @@ from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.lora import LoRAState
 from tianxia.layers.sampler import Sampler, SamplingBatch
+from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
 from tianxia.quant.kv_blocks import kv_row_bytes
 
 logger = logging.getLogger(__name__)
@@ -330,6 +331,14 @@ class ModelRunner:
         runner.capture()
         logger.info("decode steps: CUDA graphs of the %s", "fused step" if step is not None else "module forward")
         self.graph_runner = runner
+        if self.sampler.samples_on_device(runner.logits):
+            # sampled steps replay the sampler too, reading the decode graphs' logits in place
+            graphs = SamplerGraphs(runner.ladder, self.config.vocab_size, self.device, logits=runner.logits)
+            try:
+                graphs.warm_up(DEFAULT_KINDS)
+                self.sampler.graphs = graphs
+            except RuntimeError as err:  # sampling stays on eager launches, as without graphs
+                logger.warning("sampler CUDA graphs off: %s", err)
 
     def _decode_logits(self, order, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits of every row from a captured graph or the fused step when the step is all

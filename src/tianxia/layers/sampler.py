@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 import random
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+
+from tianxia.layers.sampler_graphs import SamplerGraphs, batch_kind
 
 
 class SampledRow(Protocol):
@@ -62,13 +65,23 @@ class SamplingBatch:
 
     @classmethod
     def from_sequences(cls, seqs: list[SampledRow], eos_ids: tuple[int, ...]) -> SamplingBatch:
-        params = [s.params for s in seqs]
-        temps = [0.0 if p.greedy else p.temperature for p in params]
-        penalized = [p.needs_penalties for p in params]
+        # a step samples a few hundred rows that share a handful of SamplingParams (a request's
+        # n siblings, clients at their defaults): each distinct one is read once, and the numbers
+        # cross into one tensor (building this batch is on the host's path of every decode step)
+        terms: dict[int, tuple] = {}
+        rows = []
+        for s in seqs:
+            p = s.params
+            t = terms.get(id(p))
+            if t is None:
+                t = terms[id(p)] = _row_terms(p)
+            rows.append(t)
+        numbers = torch.tensor([t[0] for t in rows], dtype=torch.float32)  # [S, 7]
+        penalized = [t[2] for t in rows]
         output_ids = prompt_ids = None
         if any(penalized):
             output_ids = _pad([s.output_token_ids if pen else [] for s, pen in zip(seqs, penalized)])
-            rep = [s.prompt_token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
+            rep = [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
             prompt_ids = _pad(rep)
         banned = []
         for s in seqs:
@@ -78,30 +91,39 @@ class SamplingBatch:
             if s.bad_words_ids:
                 ids.extend(_bad_word_bans(s.output_token_ids, s.bad_words_ids))
             banned.append(ids)
-        sampled = [not p.greedy for p in params]
+        distinct = [t for t in terms.values() if t[1]]  # the sampled rows' parameters
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
-            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            temperature=numbers[:, 0].contiguous(),
+            top_k=numbers[:, 1].to(torch.int64),
+            top_p=numbers[:, 2].contiguous(),
+            min_p=numbers[:, 3].contiguous(),
+            presence=numbers[:, 4].contiguous(),
+            frequency=numbers[:, 5].contiguous(),
+            repetition=numbers[:, 6].contiguous(),
             output_ids=output_ids,
             prompt_ids=prompt_ids,
             generators=[s.generator for s in seqs],
             banned=banned,
-            allowed=[p.allowed_token_ids for p in params],
-            bias=[p.logit_bias for p in params],
-            num_logprobs=[p.logprobs for p in params],
+            allowed=[s.params.allowed_token_ids for s in seqs],
+            bias=[s.params.logit_bias for s in seqs],
+            num_logprobs=[s.params.logprobs for s in seqs],
             grammars=[s.grammar for s in seqs],
-            all_greedy=not any(sampled),
-            any_top_k=any(p.top_k > 0 for p, s in zip(params, sampled) if s),
-            any_top_p=any(p.top_p < 1.0 for p, s in zip(params, sampled) if s),
-            any_min_p=any(p.min_p > 0.0 for p, s in zip(params, sampled) if s),
+            all_greedy=not distinct,
+            any_top_k=any(t[0][1] > 0 for t in distinct),
+            any_top_p=any(t[0][2] < 1.0 for t in distinct),
+            any_min_p=any(t[0][3] > 0.0 for t in distinct),
             seeds=[s.sample_seed for s in seqs],
             steps=[s.num_output_tokens for s in seqs],
         )
+
+
+def _row_terms(p: Any) -> tuple[tuple[float, ...], bool, bool]:
+    """One SamplingParams as a row of the batch's numbers, whether it samples, whether it is
+    penalized."""
+    greedy = p.greedy
+    numbers = (0.0 if greedy else p.temperature, float(p.top_k), p.top_p, p.min_p,
+               p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    return numbers, not greedy, p.needs_penalties
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:
@@ -238,6 +260,25 @@ def _truncation(batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return top_k, top_p
 
 
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys(rng: random.Random, seeds: list[int | None], steps: list[int]) -> torch.Tensor:
+    """[S, 2] int64: the two 32-bit halves of each row's noise key for this step: a seeded row's
+    from its seed and position (:func:`noise_key`), the others' from one fresh draw of ``rng``
+    spread over the rows (vectorized: a per-row Python draw costs a large batch 0.15 ms a step)."""
+    base = np.uint64(rng.getrandbits(64))
+    keys = _splitmix64(np.arange(1, len(seeds) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + base)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            keys[i] = noise_key(seed, steps[i])
+    halves = np.stack([keys & np.uint64(0xFFFFFFFF), keys >> np.uint64(32)], axis=1)
+    return torch.from_numpy(halves.astype(np.int64))
+
+
 def noise_key(seed: int, step: int) -> int:
     """A 64-bit key for a seeded row's noise at one position (splitmix64 of both)."""
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
@@ -254,6 +295,7 @@ class Sampler:
         self.keys = random.Random(seed)  # unseeded rows' noise keys on the GPU path
         self.device_kernels = device_kernels
         self.grammar_backend = None  # set by the engine when a request is constrained
+        self.graphs: SamplerGraphs | None = None  # set by the runner where decode steps are graphed
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -298,6 +340,12 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if self.graphs is not None and self.samples_on_device(logits) and self.graphs.fits(logits):
+            top_k, top_p = _truncation(batch)
+            numbers = torch.stack([batch.temperature, top_k.float(), top_p, batch.min_p])
+            kind = batch_kind(top_k, batch.any_top_k, batch.any_top_p, batch.any_min_p, logits.shape[1])
+            keys = row_keys(self.keys, batch.seeds, batch.steps)
+            return self.graphs.sample(logits, numbers, keys, kind).cpu()
         greedy_cpu = batch.temperature == 0
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
@@ -332,10 +380,8 @@ class Sampler:
             thresholds = triton_sampling.truncation_thresholds(
                 scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True),
                 use_k=batch.any_top_k, use_p=batch.any_top_p, k_max=int(top_k.max()))
-        keys = [self.keys.getrandbits(64) if seed is None else noise_key(seed, step)
-                for seed, step in zip(batch.seeds, batch.steps)]
-        halves = torch.tensor([(k & 0xFFFFFFFF, k >> 32) for k in keys], dtype=torch.int64)
-        return triton_sampling.gumbel_argmax(scaled, halves.to(dev, non_blocking=True), thresholds)
+        keys = row_keys(self.keys, batch.seeds, batch.steps)
+        return triton_sampling.gumbel_argmax(scaled, keys.to(dev, non_blocking=True), thresholds)
 
     @staticmethod
     def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
