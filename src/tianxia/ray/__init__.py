@@ -17,6 +17,7 @@ from tianxia.ray.replica import TianxiaReplica, serve_args
 
 ROUTERS = {
     "prefix": "tianxia.ray.router:PrefixAwareRequestRouter",
+    "round-robin": "tianxia.ray.router:RoundRobinRequestRouter",
     # Ray's default: power of two choices over queue lengths, blind to prompts
     "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
 }
@@ -29,7 +30,7 @@ def _int(args: dict[str, Any], key: str, default: int | None) -> int | None:
 
 def app(args: dict[str, Any]) -> serve.Application:
     """The application: ``model`` (required), ``num_replicas`` (default 1), ``threads`` (CPU
-    threads per replica), ``num_gpus`` (per replica), ``router`` (``prefix`` or ``pow2``),
+    threads per replica), ``num_gpus`` (per replica), ``router`` (``prefix``, ``round-robin`` or ``pow2``),
     ``max_ongoing_requests`` (a replica's queue bound, default 32), ``min_replicas`` /
     ``max_replicas`` / ``target_ongoing_requests`` (autoscaling instead of a fixed count) and
     ``serve_args`` (any other ``tianxia serve`` flags, one string)."""
@@ -48,14 +49,18 @@ def app(args: dict[str, Any]) -> serve.Application:
     threads = _int(args, "threads", None)
     if threads:
         flags += ["--threads", str(threads)]
-    serve_args(str(args["model"]), flags)  # a bad flag fails here, not in every replica
+    parsed = serve_args(str(args["model"]), flags)  # a bad flag fails here, not in every replica
     options: dict[str, Any] = {
         "max_ongoing_requests": _int(args, "max_ongoing_requests", 32),
         "ray_actor_options": {
             "num_cpus": threads or 1,
             "num_gpus": float(args.get("num_gpus", 0)),
         },
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTERS[router]),
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTERS[router],
+            # the prefix tree's blocks are the replicas' KV blocks
+            request_router_kwargs={"block_size": parsed.block_size} if router == "prefix" else {},
+        ),
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
@@ -68,4 +73,4 @@ def app(args: dict[str, Any]) -> serve.Application:
     else:
         options["num_replicas"] = _int(args, "num_replicas", 1)
     replica = serve.deployment(TianxiaReplica, name="TianxiaReplica").options(**options)
-    return Ingress.bind(replica.bind(str(args["model"]), flags))
+    return Ingress.bind(replica.bind(str(args["model"]), flags), str(args["model"]), flags)

@@ -24,7 +24,7 @@ class ForwardedRequest:
     query: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
-    routing_text: str = ""  # the prompt, for the prefix-aware router
+    routing_tokens: list[int] | None = None  # the prompt's token ids, for the prefix-aware router
 
 
 @dataclass
