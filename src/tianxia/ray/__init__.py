@@ -6,6 +6,7 @@ builder: Ray passes the ``key=value`` arguments, or a config file's ``args``, as
 
 from __future__ import annotations
 
+import json
 import shlex
 from typing import Any
 
@@ -32,11 +33,13 @@ def app(args: dict[str, Any]) -> serve.Application:
     """The application: ``model`` (required), ``num_replicas`` (default 1), ``threads`` (CPU
     threads per replica), ``num_gpus`` (per replica), ``router`` (``prefix``, ``round-robin`` or ``pow2``),
     ``max_ongoing_requests`` (a replica's queue bound, default 32), ``min_replicas`` /
-    ``max_replicas`` / ``target_ongoing_requests`` (autoscaling instead of a fixed count) and
+    ``max_replicas`` / ``target_ongoing_requests`` (autoscaling instead of a fixed count),
+    ``autoscaling_config`` (any other fields of Ray's, a dict or its JSON, e.g. the delays) and
     ``serve_args`` (any other ``tianxia serve`` flags, one string)."""
     unknown = set(args) - {
         "model", "num_replicas", "threads", "num_gpus", "router", "max_ongoing_requests",
-        "min_replicas", "max_replicas", "target_ongoing_requests", "serve_args",
+        "min_replicas", "max_replicas", "target_ongoing_requests", "autoscaling_config",
+        "serve_args",
     }
     if unknown:
         raise ValueError(f"unknown argument(s) for tianxia.ray:app: {', '.join(sorted(unknown))}")
@@ -64,11 +67,20 @@ def app(args: dict[str, Any]) -> serve.Application:
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
     }
-    if "max_replicas" in args:
+    extra = args.get("autoscaling_config") or {}
+    if isinstance(extra, str):  # `serve run ... autoscaling_config='{...}'`
+        try:
+            extra = json.loads(extra)
+        except ValueError as exc:
+            raise ValueError(f"autoscaling_config is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("autoscaling_config must be a mapping of Ray's autoscaling fields")
+    if "max_replicas" in args or extra:
         options["autoscaling_config"] = {
             "min_replicas": _int(args, "min_replicas", 1),
-            "max_replicas": _int(args, "max_replicas", None),
+            "max_replicas": _int(args, "max_replicas", 1),
             "target_ongoing_requests": float(args.get("target_ongoing_requests", 4)),
+            **extra,
         }
     else:
         options["num_replicas"] = _int(args, "num_replicas", 1)
