@@ -87,6 +87,35 @@ def main() -> None:
     subprocess.run(TIANXIA + ["bench", "compare", *files, "--baseline", "round-robin"]
                    if "round-robin" in a.routers else TIANXIA + ["bench", "compare", *files],
                    check=True)
+    routing_cost(model, a)
+
+
+def routing_cost(model: str, a: argparse.Namespace) -> None:
+    """What routing on token ids costs the ingress per request: tokenizing the last turn of a
+    conversation of this workload (chat template applied), the median of 50."""
+    import json
+    import random
+    import statistics
+
+    from tianxia.bench.workloads import LenSpec, multi_turn_workload, word_sampler
+    from tianxia.ray.tokens import RoutingTokenizer
+
+    rt = RoutingTokenizer(model)
+    turns = multi_turn_workload(rt.tokenizer, a.turns, a.turns, a.system_len,
+                                LenSpec(a.turn_len, a.turn_len),
+                                LenSpec(a.output_len, a.output_len), seed=0)
+    words, rng = word_sampler(rt.tokenizer), random.Random(0)
+    history = [(t.prompt, words.text(a.output_len, rng)) for t in turns[:-1]]
+    last = turns[-1]
+    last.history = history
+    body = json.dumps({"model": "m", "messages": last.chat_messages()}).encode()
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        ids = rt.prompt_tokens(body)
+        times.append(time.perf_counter() - t0)
+    print(f"ingress: token ids of a {len(ids)}-token chat prompt in "
+          f"{statistics.median(times) * 1e3:.2f} ms (median of 50)")
 
 
 if __name__ == "__main__":

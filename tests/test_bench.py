@@ -240,6 +240,8 @@ def test_multi_turn_conversations_extend_their_history(server, tokenizer):
     assert s["total_cached_tokens"] == cached > 0
     assert s["cache_hit_rate"] == pytest.approx(cached / s["total_input_tokens"])
     assert _delta(after, before, "vllm:prefix_cache_hits_total") == cached
+    row = compare_markdown([dict(res, label="mt")]).splitlines()
+    assert "cache hit %" in row[0] and f"| {100 * s['cache_hit_rate']:.1f} |" in row[2]
     # completions: each turn's prompt text is the last one's plus its reply
     reqs = build_workload(wl, tokenizer, 2, seed=6, endpoint="completions")
     client = ClientConfig(base_url=server, model=MODEL, save_text=True)

@@ -77,7 +77,7 @@ class TianxiaReplica:
         self._started = asyncio.Lock()
         self._metrics = ReplicaMetrics(
             lambda: {name: src.stats() for name, src in list(server_metrics.engines.items())})
-        self._metrics_task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     async def _ensure_started(self) -> None:
         async with self._started:

@@ -4,7 +4,8 @@
 among the replicas under their queue bound (``max_ongoing_requests``, from Ray's queue-length
 cache); a request whose match is shorter than ``min_match_tokens`` (or ``match_ratio`` of its
 prompt) goes by plain power of two choices, as does a request when the matching replicas are all
-full. ``RoundRobinRequestRouter``: the baseline it is measured against.
+full, or when the holders have over ``imbalanced_threshold`` more requests in flight than the least
+loaded replica. ``RoundRobinRequestRouter``: the baseline it is measured against.
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ def routing_tokens(pending_request: PendingRequest | None) -> list[int]:
 class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self, block_size: int = 16, min_match_tokens: int = 32, match_ratio: float = 0.1,
-        max_blocks: int = 1 << 16,
+        max_blocks: int = 1 << 16, imbalanced_threshold: int = 4,
     ) -> None:
         self._tree = PrefixTree(block_size=block_size, max_blocks=max_blocks)
         self._min_match_tokens = min_match_tokens
         self._match_ratio = match_ratio
+        self._imbalanced_threshold = imbalanced_threshold
+
+    def _load(self, replica: RunningReplica) -> int:
+        return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
     def _two_choices(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         return [random.sample(replicas, k=min(2, len(replicas)))]
@@ -56,11 +61,13 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
             depth, owners = self._tree.match(tokens, set(by_id))
             if depth and depth >= max(self._min_match_tokens, self._match_ratio * len(tokens)):
                 # the least loaded of the holders first; the others as a fallback rank
-                holders = sorted(
-                    (by_id[o] for o in owners),
-                    key=lambda r: self._replica_queue_len_cache.get(r.replica_id) or 0,
-                )
-                return [holders, self._two_choices(available)[0]]
+                holders = sorted((by_id[o] for o in owners), key=self._load)
+                # a cache hit is not worth a queue: a holder with more than
+                # imbalanced_threshold requests over the least loaded replica is passed over
+                # (as SGLang's router and Ray's PrefixCacheAffinityRouter balance)
+                least = min(self._load(r) for r in available)
+                if self._load(holders[0]) - least <= self._imbalanced_threshold:
+                    return [holders, self._two_choices(available)[0]]
         return self._two_choices(available)
 
     def on_request_routed(
