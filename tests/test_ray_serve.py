@@ -174,7 +174,8 @@ def _ray_metrics(port: int) -> dict[tuple[str, str], float]:
 
 
 def _own_metric(text: str, name: str) -> float:
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}}\s+(\S+)$", text, re.M))
+    pattern = rf"^{re.escape(name)}\{{[^}}]*\}}\s+(\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def test_replica_metrics_through_ray(client, ray_app, ray_cluster):

@@ -31,8 +31,8 @@ def _int(args: dict[str, Any], key: str, default: int | None) -> int | None:
 
 def app(args: dict[str, Any]) -> serve.Application:
     """The application: ``model`` (required), ``num_replicas`` (default 1), ``threads`` (CPU
-    threads per replica), ``num_gpus`` (per replica), ``router`` (``prefix``, ``round-robin`` or ``pow2``),
-    ``max_ongoing_requests`` (a replica's queue bound, default 32), ``min_replicas`` /
+    threads per replica), ``num_gpus`` (per replica), ``router`` (``prefix``, ``round-robin``
+    or ``pow2``), ``max_ongoing_requests`` (a replica's queue bound, default 32), ``min_replicas`` /
     ``max_replicas`` / ``target_ongoing_requests`` (autoscaling instead of a fixed count),
     ``autoscaling_config`` (any other fields of Ray's, a dict or its JSON, e.g. the delays) and
     ``serve_args`` (any other ``tianxia serve`` flags, one string)."""

@@ -1,8 +1,9 @@
 """The one HTTP entry of the Ray application: forwards every route to a replica, unchanged.
 
 It parses only what the router needs (the prompt's token ids, ``RoutingTokenizer``); validation,
-errors and streaming are the replica's (``tianxia serve``'s own app). A replica lost before its answer gives a 503 in OpenAI's
-error shape; one lost mid-stream ends the stream with an error event, never a hang.
+errors and streaming are the replica's (``tianxia serve``'s own app). A replica lost before its
+answer gives a 503 in OpenAI's error shape; one lost mid-stream ends the stream with an error
+event, never a hang.
 """
 
 
