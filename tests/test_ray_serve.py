@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 
@@ -26,14 +25,8 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray instance whose metrics agent serves Prometheus text on ``metrics_port``, and
-    whose replicas and handles report their load for autoscaling every half second (Ray's
-    processes read these at start)."""
+    """A local Ray instance whose metrics agent serves Prometheus text on ``metrics_port``."""
     metrics_port = free_port()
-    push = {f"RAY_SERVE_{who}_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"
-            for who in ("REPLICA", "HANDLE")}
-    saved = {k: os.environ.get(k) for k in push}
-    os.environ.update(push)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 500})
@@ -42,11 +35,6 @@ def ray_cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +240,9 @@ def test_killed_replica_fails_cleanly_and_comes_back(client, ray_app):
     assert client.completions.create(model=model, prompt="Hello", max_tokens=2).choices[0].text
 
 
+# Ray 2.60 still reads how often replicas report their load from metrics_interval_s, which it
+# already calls deprecated
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(ray_app, smollm2_path):
     """Ray's ``autoscaling_config`` through ``app``: 1 replica, up to 2 at one ongoing request
     each; a burst of requests makes Ray start a second replica, idleness takes it away."""
@@ -260,8 +251,8 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(ray_app,
     serve.run(app({
         "model": str(smollm2_path), "threads": 1, "min_replicas": 1, "max_replicas": 2,
         "target_ongoing_requests": 1,
-        "autoscaling_config": {"look_back_period_s": 1, "upscale_delay_s": 0.5,
-                               "downscale_delay_s": 2},
+        "autoscaling_config": {"metrics_interval_s": 0.5, "look_back_period_s": 1,
+                               "upscale_delay_s": 0.5, "downscale_delay_s": 2},
         "serve_args": "--kv-cache-memory 64MiB --max-model-len 512",
     }), name="auto", route_prefix="/auto")
     client = openai.AsyncOpenAI(base_url=ray_app + "/auto/v1", api_key="none", max_retries=0,
