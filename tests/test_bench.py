@@ -205,28 +205,28 @@ def test_chat_endpoint_with_poisson_arrivals(server, tokenizer):
 
 
 def test_multi_turn_conversations_extend_their_history(server, tokenizer):
-    """3 conversations x 3 turns over 2 system prompts, chat: each turn carries the earlier turns
+    """3 conversations x 2 turns over 2 system prompts, chat: each turn carries the earlier turns
     and the server's own replies (its prompt tokens are our tokenizer's count of exactly that
     conversation under the chat template), is sent after the last reply, and hits the prefix
     cache for the last turn's prompt; the hit rate is the server's ``/metrics`` counter."""
     wl = WorkloadConfig(name="multi-turn", input_len=LenSpec(8, 8), output_len=LenSpec(5, 5),
-                        prefix_len=40, num_prefixes=2, num_turns=3)
-    reqs = build_workload(wl, tokenizer, 9, seed=5, endpoint="chat")
-    assert [(r.conversation, r.turn) for r in reqs[:4]] == [(0, 0), (0, 1), (0, 2), (1, 0)]
-    assert reqs[0].system == reqs[6].system != reqs[3].system  # conversations 0 and 2 share one
+                        prefix_len=40, num_prefixes=2, num_turns=2)
+    reqs = build_workload(wl, tokenizer, 6, seed=5, endpoint="chat")
+    assert [(r.conversation, r.turn) for r in reqs[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert reqs[0].system == reqs[4].system != reqs[2].system  # conversations 0 and 2 share one
     before = _scrape(server)
     client = ClientConfig(base_url=server, model=MODEL, endpoint="chat", max_concurrency=3,
                           save_text=True)
     res = run_serve(client, reqs, tokenizer=tokenizer, workload=wl, progress=False, warmup=0)
     after = _scrape(server)
     s, rows = res["summary"], res["requests"]
-    assert s["completed"] == 9 and s["failed"] == 0
-    assert res["config"]["workload"]["num_turns"] == 3
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert res["config"]["workload"]["num_turns"] == 2
     for conv in range(3):
-        turns = rows[3 * conv: 3 * conv + 3]
-        messages = [{"role": "system", "content": reqs[3 * conv].system}]
+        turns = rows[2 * conv: 2 * conv + 2]
+        messages = [{"role": "system", "content": reqs[2 * conv].system}]
         for k, r in enumerate(turns):
-            messages.append({"role": "user", "content": reqs[3 * conv + k].prompt})
+            messages.append({"role": "user", "content": reqs[2 * conv + k].prompt})
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             assert r["usage_prompt_tokens"] == len(ids)
