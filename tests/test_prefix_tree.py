@@ -1,11 +1,12 @@
 """The prefix-aware router's tree over token ids: block-aligned longest match, per-replica
-ownership, forgetting the least recently used blocks, and dead replicas."""
+ownership, forgetting the least recently used blocks, and dead replicas; and its choice of
+replicas: the holders of the longest prefix, unless the match is short or they are too busy."""
 
 import pytest
 
 pytest.importorskip("ray.serve")  # the package tianxia.ray needs Ray Serve (extra `ray`)
 
-from tianxia.ray.prefix_tree import PrefixTree  # noqa: E402
+from tianxia.ray.prefix_tree import PrefixTree, prefix_holders  # noqa: E402
 
 SYSTEM_A = list(range(100, 140))  # 40 tokens: two full blocks of 16 and 8 more
 SYSTEM_B = list(range(200, 240))
@@ -43,3 +44,23 @@ def test_least_recent_blocks_and_dead_replicas_are_forgotten():
     t.remove_replica("r1")
     assert t.match([8, 8, 8, 8], {"r1", "r2"}) == (0, set())
     assert not t._owners and not t._recent
+
+
+def test_holders_unless_the_match_is_short_or_they_are_too_busy():
+    t = PrefixTree(block_size=16)
+    t.insert(SYSTEM_A + [1] * 24, "r1")  # 64 tokens: 4 blocks
+    t.insert(SYSTEM_A + [1] * 24, "r2")
+    t.insert(SYSTEM_A[:16], "r3")
+
+    def choose(tokens, loads):
+        return prefix_holders(t, tokens, loads, min_match_tokens=32, match_ratio=0.5,
+                              imbalanced_threshold=4)
+
+    prompt = SYSTEM_A + [1] * 24 + [2] * 40  # 104 tokens, 64 of them held by r1 and r2
+    assert choose(prompt, {"r1": 3, "r2": 1, "r3": 0}) == ["r2", "r1"]  # least loaded first
+    assert choose(prompt, {"r1": 3, "r3": 0}) == ["r1"]  # r2 is full or gone
+    assert choose(prompt, {"r1": 5, "r2": 5, "r3": 0}) == []  # 5 over the idle r3: balance
+    assert choose(prompt, {"r1": 4, "r2": 9, "r3": 0}) == ["r1", "r2"]
+    assert choose(prompt + [3] * 40, {"r1": 0, "r2": 0}) == []  # 64 of 144: under half
+    assert choose(SYSTEM_A[:20], {"r1": 0, "r3": 0}) == []  # one block: under 32 tokens
+    assert choose([], {"r1": 0}) == [] and choose(prompt, {}) == []

@@ -65,3 +65,24 @@ class PrefixTree:
                 break
             depth, best = depth + self.block_size, owners
         return depth, best
+
+
+def prefix_holders(
+    tree: PrefixTree, tokens: Sequence[int], loads: dict[str, int], *, min_match_tokens: int,
+    match_ratio: float, imbalanced_threshold: int,
+) -> list[str]:
+    """Where a request goes for its prefix: the replicas among ``loads`` (the available ones, with
+    their requests in flight) that hold the longest prefix of ``tokens``, least loaded first; []
+    when load alone should decide: the match is shorter than ``min_match_tokens`` or
+    ``match_ratio`` of the prompt, or even the least loaded holder has more than
+    ``imbalanced_threshold`` requests over the least loaded replica (a cache hit is not worth a
+    queue; SGLang's router and Ray's ``PrefixCacheAffinityRouter`` balance likewise)."""
+    if not tokens or not loads:
+        return []
+    depth, owners = tree.match(tokens, set(loads))
+    if not depth or depth < max(min_match_tokens, match_ratio * len(tokens)):
+        return []
+    holders = sorted(owners, key=lambda r: (loads[r], r))
+    if loads[holders[0]] - min(loads.values()) > imbalanced_threshold:
+        return []
+    return holders

@@ -20,7 +20,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from tianxia.ray.prefix_tree import PrefixTree
+from tianxia.ray.prefix_tree import PrefixTree, prefix_holders
 
 
 def routing_tokens(pending_request: PendingRequest | None) -> list[int]:
@@ -55,19 +55,15 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         if not available:
             # all full: let Ray probe and back off over the candidates
             return self._two_choices(candidate_replicas) if candidate_replicas else []
-        tokens = routing_tokens(pending_request)
-        if tokens:
-            by_id = {r.replica_id.to_full_id_str(): r for r in available}
-            depth, owners = self._tree.match(tokens, set(by_id))
-            if depth and depth >= max(self._min_match_tokens, self._match_ratio * len(tokens)):
-                # the least loaded of the holders first; the others as a fallback rank
-                holders = sorted((by_id[o] for o in owners), key=self._load)
-                # a cache hit is not worth a queue: a holder with more than
-                # imbalanced_threshold requests over the least loaded replica is passed over
-                # (as SGLang's router and Ray's PrefixCacheAffinityRouter balance)
-                least = min(self._load(r) for r in available)
-                if self._load(holders[0]) - least <= self._imbalanced_threshold:
-                    return [holders, self._two_choices(available)[0]]
+        by_id = {r.replica_id.to_full_id_str(): r for r in available}
+        holders = prefix_holders(
+            self._tree, routing_tokens(pending_request),
+            {key: self._load(r) for key, r in by_id.items()},
+            min_match_tokens=self._min_match_tokens, match_ratio=self._match_ratio,
+            imbalanced_threshold=self._imbalanced_threshold,
+        )
+        if holders:  # the others as a fallback rank
+            return [[by_id[h] for h in holders], self._two_choices(available)[0]]
         return self._two_choices(available)
 
     def on_request_routed(
