@@ -1,5 +1,7 @@
 """tianxia on Ray Serve: a local Ray instance, 2 replicas of SmolLM2 (1 thread each) behind the
-ingress, the official openai client, prefix-aware routing, and a replica killed mid-load."""
+ingress, the official openai client, prefix-aware routing on the replicas' own token ids, their
+metrics through Ray's metrics agent, a replica killed mid-load, and an autoscaling application
+beside them (1 to 2 replicas)."""
 
 from __future__ import annotations
 
