@@ -5,6 +5,7 @@ A stdlib fake server covers the "unknown field" retry path."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -201,6 +202,55 @@ def test_chat_endpoint_with_poisson_arrivals(server, tokenizer):
         assert r["usage_prompt_tokens"] == r["expected_input_tokens"] > 48
         assert r["output_tokens"] == 6 and r["ttft_s"] <= r["e2e_s"]
     assert res["config"]["request_rate"] == 8.0 and res["config"]["endpoint"] == "chat"
+
+
+def test_multi_turn_conversations_extend_their_history(server, tokenizer):
+    """3 conversations x 2 turns over 2 system prompts, chat: each turn carries the earlier turns
+    and the server's own replies (its prompt tokens are our tokenizer's count of exactly that
+    conversation under the chat template), is sent after the last reply, and hits the prefix
+    cache for the last turn's prompt; the hit rate is the server's ``/metrics`` counter."""
+    wl = WorkloadConfig(name="multi-turn", input_len=LenSpec(8, 8), output_len=LenSpec(5, 5),
+                        prefix_len=40, num_prefixes=2, num_turns=2)
+    reqs = build_workload(wl, tokenizer, 6, seed=5, endpoint="chat")
+    assert [(r.conversation, r.turn) for r in reqs[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert reqs[0].system == reqs[4].system != reqs[2].system  # conversations 0 and 2 share one
+    before = _scrape(server)
+    client = ClientConfig(base_url=server, model=MODEL, endpoint="chat", max_concurrency=3,
+                          save_text=True)
+    res = run_serve(client, reqs, tokenizer=tokenizer, workload=wl, progress=False, warmup=0)
+    after = _scrape(server)
+    s, rows = res["summary"], res["requests"]
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert res["config"]["workload"]["num_turns"] == 2
+    for conv in range(3):
+        turns = rows[2 * conv: 2 * conv + 2]
+        messages = [{"role": "system", "content": reqs[2 * conv].system}]
+        for k, r in enumerate(turns):
+            messages.append({"role": "user", "content": reqs[2 * conv + k].prompt})
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            assert r["usage_prompt_tokens"] == len(ids)
+            messages.append({"role": "assistant", "content": r["text"]})
+            if k:
+                last = turns[k - 1]
+                assert r["start_s"] >= last["start_s"] + last["e2e_s"]
+                # at least every full block of the last turn's prompt is reused
+                assert r["usage_cached_tokens"] >= last["usage_prompt_tokens"] // 16 * 16 - 16
+    cached = sum(r["usage_cached_tokens"] for r in rows)
+    assert s["total_cached_tokens"] == cached > 0
+    assert s["cache_hit_rate"] == pytest.approx(cached / s["total_input_tokens"])
+    assert _delta(after, before, "vllm:prefix_cache_hits_total") == cached
+    row = compare_markdown([dict(res, label="mt")]).splitlines()
+    assert "cache hit %" in row[0] and f"| {100 * s['cache_hit_rate']:.1f} |" in row[2]
+    # completions: each turn's prompt text is the last one's plus its reply
+    reqs = build_workload(wl, tokenizer, 2, seed=6, endpoint="completions")
+    client = ClientConfig(base_url=server, model=MODEL, save_text=True)
+    res = run_serve(client, reqs, tokenizer=tokenizer, workload=wl, progress=False, warmup=0)
+    first, second = res["requests"]
+    again = dataclasses.replace(reqs[1], history=[(reqs[0].prompt, first["text"])])
+    assert again.completion_prompt().startswith(reqs[0].completion_prompt() + first["text"])
+    assert second["usage_prompt_tokens"] > first["usage_prompt_tokens"] + 8
+    assert second["usage_cached_tokens"] >= first["usage_prompt_tokens"] // 16 * 16 - 16
 
 
 def test_failures_are_counted_not_raised(server, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Serving benchmarks against any OpenAI-compatible server (``tianxia bench``).
 
-``tianxia bench serve`` sends a workload (``random``, ``prefix`` or ``file``) to
+``tianxia bench serve`` sends a workload (``random``, ``prefix``, ``multi-turn`` or ``file``) to
 ``/v1/completions`` or ``/v1/chat/completions`` with streaming, times every chunk, and reports
 throughput, peak concurrency, TTFT / TPOT / ITL / E2E latency and failures; ``bench sweep`` repeats
 it over concurrencies or request rates and finds the highest load meeting p99 SLOs; ``bench
@@ -18,9 +18,9 @@ Result JSON (``--save-result``), schema ``"tianxia.bench.serve/1"``::
       "host": {"cpu": str, "cores": int, "platform": str, "python": str},   # the client machine
       "config": {
         "base_url", "endpoint": "completions"|"chat", "model", "tokenizer": path | null,
-        "workload": {"name": "random"|"prefix"|"file", "input_len": N | [lo, hi],
+        "workload": {"name": "random"|"prefix"|"multi-turn"|"file", "input_len": N | [lo, hi],
                      "output_len": N | [lo, hi] | "from file", "prefix_len", "num_prefixes",
-                     "dataset"},
+                     "num_turns", "dataset"},
         "num_prompts": int, "request_rate": float | "inf", "burstiness": float | "inf",
         "max_concurrency": int | null, "seed", "temperature", "ignore_eos": bool,
         "warmup": int, "extra_body": {}
@@ -35,6 +35,8 @@ Result JSON (``--save-result``), schema ``"tianxia.bench.serve/1"``::
         "ttft_ms" | "tpot_ms" | "itl_ms" | "e2el_ms":
             {"mean", "std", "median", "p90", "p99", "min", "max", "count"},  # null when no data
         "output_tokens_source": {"usage"|"tokenizer"|"chunks": count},
+        "total_cached_tokens",          # usage.prompt_tokens_details.cached_tokens, summed
+        "cache_hit_rate",               # / those requests' prompt tokens (null: not reported)
         "errors": {message: count},
         # with --slo-*: "slo_s", "good_requests", "goodput", "meets_slo_p99", "slo_violations"
       },
@@ -43,7 +45,7 @@ Result JSON (``--save-result``), schema ``"tianxia.bench.serve/1"``::
         "start_s",                      # send time after the benchmark start
         "ttft_s", "e2e_s", "tpot_s", "itl_s": [s, ...], "num_chunks",
         "expected_input_tokens",        # our tokenizer (chat: after the chat template)
-        "usage_prompt_tokens", "input_tokens",
+        "usage_prompt_tokens", "usage_cached_tokens", "input_tokens",
         "expected_output_tokens",       # max_tokens asked for
         "usage_completion_tokens", "counted_output_tokens",   # server's usage / re-tokenized text
         "output_tokens", "output_tokens_source", "finish_reason", "dropped_fields",

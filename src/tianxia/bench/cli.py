@@ -19,7 +19,7 @@ from tianxia.bench.workloads import LenSpec, parse_len
 
 # vLLM's dataset and endpoint names, and the workload or endpoint each one is here
 _DATASETS = {"random": "random", "prefix": "prefix", "prefix_repetition": "prefix",
-             "file": "file", "sharegpt": "file", "custom": "file"}
+             "multi-turn": "multi-turn", "file": "file", "sharegpt": "file", "custom": "file"}
 _ENDPOINTS = {"completions": "completions", "/v1/completions": "completions",
               "chat": "chat", "/v1/chat/completions": "chat"}
 
@@ -94,11 +94,12 @@ def _add_target_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", "--dataset-name", dest="workload",
                    choices=sorted(_DATASETS), default="random",
-                   help="random, prefix or file; vLLM's names: prefix_repetition is prefix, "
-                        "sharegpt and custom are file (default: %(default)s)")
+                   help="random, prefix, multi-turn or file; vLLM's names: prefix_repetition "
+                        "is prefix, sharegpt and custom are file (default: %(default)s)")
     w.add_argument("--input-len", "--random-input-len", "--prefix-repetition-suffix-len",
                    dest="input_len", type=_len, default=parse_len(128),
-                   help="prompt tokens, N or LO:HI (random); suffix tokens (prefix). Default 128")
+                   help="prompt tokens, N or LO:HI (random); suffix tokens (prefix); each user "
+                        "turn's tokens (multi-turn). Default 128")
     w.add_argument("--output-len", "--random-output-len", "--sharegpt-output-len",
                    "--prefix-repetition-output-len", dest="output_len", type=_len, default=None,
                    help="tokens to generate, N or LO:HI (default 64; file: the reference replies)")
@@ -106,10 +107,15 @@ def _add_target_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="vLLM's: lengths drawn from [N*(1-r), N*(1+r)] (default 0)")
     w.add_argument("--prefix-len", "--prefix-repetition-prefix-len", "--random-prefix-len",
                    dest="prefix_len", type=int, default=None,
-                   help="shared prefix tokens (prefix; default 256); with the random workload, "
+                   help="shared prefix tokens (prefix), system prompt tokens (multi-turn); "
+                        "default 256; with the random workload, "
                         "vLLM's --random-prefix-len makes it a prefix workload")
     w.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes",
-                   type=int, default=1, help="distinct shared prefixes (prefix)")
+                   type=int, default=1,
+                   help="distinct shared prefixes (prefix) or system prompts (multi-turn)")
+    w.add_argument("--num-turns", type=int, default=4,
+                   help="multi-turn: turns per conversation; --num-prompts counts turns, so "
+                        "there are num-prompts / num-turns conversations (default 4)")
     w.add_argument("--dataset", "--dataset-path", dest="dataset", default=None,
                    help="JSON/JSONL prompts or ShareGPT conversations (file)")
     w.add_argument("--max-input-len", type=int, default=None, help="skip longer file prompts")
@@ -278,9 +284,10 @@ def _common(args, num_prompts: int):
             raise ValueError("--extra-body must be a JSON object")
     wl = WorkloadConfig(name=args.workload, input_len=args.input_len, output_len=args.output_len,
                         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-                        dataset=args.dataset, max_input_len=args.max_input_len)
+                        dataset=args.dataset, max_input_len=args.max_input_len,
+                        num_turns=args.num_turns)
     tok, tok_name = load_bench_tokenizer(args.tokenizer, args.model)
-    if tok is None and args.workload in ("random", "prefix"):
+    if tok is None and args.workload in ("random", "prefix", "multi-turn"):
         raise ValueError(f"the {args.workload} workload builds N-token prompts and needs a "
                          f"tokenizer; --model {args.model!r} is not a local model: pass "
                          "--tokenizer (e.g. --tokenizer smollm2-135m or a .gguf path)")

@@ -39,6 +39,7 @@ class RequestRecord:
     num_chunks: int = 0  # text-carrying chunks received
     expected_input_tokens: int | None = None  # by our tokenizer
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     input_tokens: int = 0  # usage if reported, else expected
     expected_output_tokens: int = 0  # max_tokens asked for
     usage_completion_tokens: int | None = None
@@ -138,6 +139,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "itl_ms": stats_ms(itls),
         "e2el_ms": stats_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
         "output_tokens_source": dict(sources),
+        **_cache_hits(ok),
         "errors": dict(errors.most_common()),
     }
     if slo:
@@ -149,6 +151,16 @@ def summarize(records: list[RequestRecord], duration_s: float,
         if isinstance(v, float) and math.isnan(v):
             summary[k] = None
     return summary
+
+
+def _cache_hits(ok: list[RequestRecord]) -> dict[str, Any]:
+    """Prompt tokens the server reported as served from its prefix cache, and their share of the
+    prompt tokens of the same requests (None where the server reports no cached tokens)."""
+    told = [r for r in ok if r.usage_cached_tokens is not None]
+    cached = sum(r.usage_cached_tokens or 0 for r in told)
+    prompt = sum(r.input_tokens for r in told)
+    return {"total_cached_tokens": cached if told else None,
+            "cache_hit_rate": cached / prompt if told and prompt else None}
 
 
 def slo_report(summary: dict[str, Any], slo_p99: dict[str, float],

@@ -57,6 +57,9 @@ def format_table(result: dict[str, Any]) -> str:
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total token throughput (tok/s):", s["total_token_throughput"])
     row("Peak concurrent requests:", s["peak_concurrency"])
+    if s.get("cache_hit_rate") is not None:
+        row("Cached prompt tokens:", s["total_cached_tokens"])
+        row("Prefix cache hit rate (%):", 100 * s["cache_hit_rate"], 1)
     for key, name in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(name.center(60, "-"))
@@ -138,6 +141,11 @@ COMPARE_COLUMNS = [
 ]
 
 
+def _hit_percent(s: dict[str, Any]) -> float | None:
+    rate = s.get("cache_hit_rate")
+    return None if rate is None else 100 * rate
+
+
 def apply_labels(results: list[dict[str, Any]], labels: list[str] | None = None) -> None:
     """Give each loaded result a label: from ``labels``, its own, or its file name."""
     if labels and len(labels) != len(results):
@@ -158,7 +166,10 @@ def compare_markdown(results: list[dict[str, Any]], baseline: str | None = None)
     if base is not None and base not in engines:
         raise ValueError(f"baseline {base!r} is not one of {engines}")
     loads = sorted({_load_key(r) for r in rows})
-    header = ["engine", "load", "ok/failed", "peak conc"] + [c[0] for c in COMPARE_COLUMNS]
+    columns = list(COMPARE_COLUMNS)
+    if any(r["summary"].get("cache_hit_rate") is not None for r in rows):
+        columns.insert(2, ("cache hit %", _hit_percent, 1))
+    header = ["engine", "load", "ok/failed", "peak conc"] + [c[0] for c in columns]
     if base is not None:
         header += [f"out tok/s vs {base}", f"TPOT p50 vs {base}", f"TTFT p50 vs {base}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -169,7 +180,7 @@ def compare_markdown(results: list[dict[str, Any]], baseline: str | None = None)
             s = r["summary"]
             cells = [r["label"], load_label(r), f"{s['completed']}/{s['failed']}",
                      str(s["peak_concurrency"])]
-            cells += [_f(get(s), nd) for _, get, nd in COMPARE_COLUMNS]
+            cells += [_f(get(s), nd) for _, get, nd in columns]
             if base is not None:
                 cells += _ratios(s, ref["summary"] if ref else None)
             lines.append("| " + " | ".join(cells) + " |")

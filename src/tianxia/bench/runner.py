@@ -21,6 +21,7 @@ from tianxia.bench.workloads import (
     BenchRequest,
     LenSpec,
     file_workload,
+    multi_turn_workload,
     prefix_workload,
     random_workload,
 )
@@ -30,22 +31,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkloadConfig:
-    name: str = "random"  # random | prefix | file
+    name: str = "random"  # random | prefix | multi-turn | file
     input_len: LenSpec = field(default_factory=lambda: LenSpec(DEFAULT_INPUT_LEN, DEFAULT_INPUT_LEN))
     output_len: LenSpec | None = None  # None: 64, or the file's reference replies
     prefix_len: int = 256
     num_prefixes: int = 1
     dataset: str | None = None
     max_input_len: int | None = None
+    num_turns: int = 4  # multi-turn
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name}
-        if self.name in ("random", "prefix"):
+        if self.name in ("random", "prefix", "multi-turn"):
             d["input_len"] = self.input_len.to_json()
         d["output_len"] = self.output_len.to_json() if self.output_len else (
             DEFAULT_OUTPUT_LEN if self.name != "file" else "from file")
-        if self.name == "prefix":
+        if self.name in ("prefix", "multi-turn"):
             d["prefix_len"], d["num_prefixes"] = self.prefix_len, self.num_prefixes
+        if self.name == "multi-turn":
+            d["num_turns"] = self.num_turns
         if self.name == "file":
             d["dataset"] = self.dataset
         return d
@@ -85,13 +89,17 @@ def build_workload(wl: WorkloadConfig, tokenizer, num_prompts: int, seed: int,
     elif wl.name == "prefix":
         reqs = prefix_workload(tokenizer, num_prompts, wl.prefix_len, wl.input_len, out_len, seed,
                                wl.num_prefixes)
+    elif wl.name == "multi-turn":
+        # the prompts grow with the replies: their lengths come from the server's usage
+        return multi_turn_workload(tokenizer, num_prompts, wl.num_turns, wl.prefix_len,
+                                   wl.input_len, out_len, seed, wl.num_prefixes)
     elif wl.name == "file":
         if not wl.dataset:
             raise ValueError("the file workload needs --dataset PATH")
         reqs = file_workload(wl.dataset, tokenizer, num_prompts, wl.output_len, seed,
                              max_input_len=wl.max_input_len)
     else:
-        raise ValueError(f"unknown workload {wl.name!r}: random, prefix or file")
+        raise ValueError(f"unknown workload {wl.name!r}: random, prefix, multi-turn or file")
     if endpoint == "chat" and tokenizer is not None and getattr(tokenizer, "chat_template", None):
         for r in reqs:  # what the server should see after applying the chat template
             try:

@@ -5,13 +5,16 @@ One ``httpx.AsyncClient``; each request is a streamed POST to ``/v1/completions`
 gamma / constant arrival schedule (``request_rate``, ``burstiness``) and/or behind a semaphore of
 ``max_concurrency``. To get exact output lengths the payload carries ``ignore_eos`` and
 ``min_tokens``; a server that rejects a field (HTTP 400/422 naming it) is retried once without it,
-later requests leave it out, and the result notes it. Failures (connection errors, HTTP errors,
-error events in the stream, empty streams) are recorded per request, never raised.
+later requests leave it out, and the result notes it. The turns of a multi-turn conversation go
+one after the other, each carrying the earlier turns and the replies the server gave;
+conversations arrive on the schedule. Failures (connection errors, HTTP errors, error events in
+the stream, empty streams) are recorded per request, never raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -183,6 +186,9 @@ async def send_request(client: httpx.AsyncClient, cfg: ClientConfig, req: BenchR
                             rec.usage_prompt_tokens = int(usage["prompt_tokens"])
                         if usage.get("completion_tokens") is not None:
                             rec.usage_completion_tokens = int(usage["completion_tokens"])
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        if cached is not None:
+                            rec.usage_cached_tokens = int(cached)
                 break
         rec.e2e_s = time.perf_counter() - st
         if rec.error is None and rec.num_chunks == 0:
@@ -265,7 +271,7 @@ async def run_async(cfg: ClientConfig, requests: list[BenchRequest], *, progress
                    dynamic_ncols=True, leave=True)
         records: list[RequestRecord | None] = [None] * len(requests)
 
-        async def one(i: int, req: BenchRequest, t0: float) -> None:
+        async def one(i: int, req: BenchRequest, t0: float) -> RequestRecord:
             if sem is not None:
                 await sem.acquire()
             shared.inflight += 1
@@ -281,17 +287,38 @@ async def run_async(cfg: ClientConfig, requests: list[BenchRequest], *, progress
                 shared.failed += 1
             bar.set_postfix_str(f"in flight {shared.inflight}, failed {shared.failed}", refresh=False)
             bar.update(1)
+            return rec
 
-        delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+        async def conversation(turns: list[tuple[int, BenchRequest]], t0: float) -> None:
+            """A conversation's turns, each sent when the last one's reply is in."""
+            history: list[tuple[str, str]] = []
+            for k, (i, req) in enumerate(turns):
+                rec = await one(i, dataclasses.replace(req, history=list(history)), t0)
+                if not rec.success:
+                    for j, rest in turns[k + 1:]:
+                        records[j] = RequestRecord(
+                            index=rest.index, expected_output_tokens=rest.output_len,
+                            error="not sent: an earlier turn of its conversation failed")
+                    bar.update(len(turns) - k - 1)
+                    return
+                history.append((req.prompt, rec.text or ""))
+
+        # what arrives on the schedule: a request, or a conversation (its first turn)
+        units: dict[object, list[tuple[int, BenchRequest]]] = {}
+        for i, req in enumerate(requests):
+            key = ("c", req.conversation) if req.conversation is not None else ("r", i)
+            units.setdefault(key, []).append((i, req))
+        delays = arrival_delays(len(units), cfg.request_rate, cfg.burstiness, cfg.seed)
         tasks = []
         t0 = time.perf_counter()
         next_t = t0
-        for i, (req, d) in enumerate(zip(requests, delays)):
+        for (kind, _), turns, d in zip(units, units.values(), delays):
             next_t += d
             wait = next_t - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(i, req, t0)))
+            run_one = conversation(turns, t0) if kind == "c" else one(*turns[0], t0)
+            tasks.append(asyncio.create_task(run_one))
         await asyncio.gather(*tasks)
         duration = max((r.start_s + (r.e2e_s or 0.0) for r in records if r), default=0.0)
         bar.close()

@@ -4,6 +4,11 @@
   N fixed or drawn uniformly from a range; output lengths likewise.
 - ``prefix``: one (or a few) shared prefixes of a given length ("system prompt") followed by a
   random suffix; with ``--endpoint chat`` the prefix is the system message.
+- ``multi-turn``: conversations, each opening with one of ``num_prefixes`` shared system prompts
+  and sending ``num_turns`` user turns in order; each turn's request carries the whole history
+  (the earlier turns and the server's replies), so it extends the last one's prompt (SGLang's
+  generated-shared-prefix and multi-turn benchmarks). Only the user turns are drawn here; the
+  history is filled in at run time (:mod:`tianxia.bench.serve`).
 - ``file``: prompts from a local JSON / JSONL file. Each item may be a string, an object with
   ``prompt`` (and optionally ``output_len`` / ``max_tokens``), an OpenAI-style ``messages`` list or
   a ShareGPT ``conversations`` list (``{"from": "human"|"gpt", "value": ...}``); for the last two
@@ -36,9 +41,16 @@ class BenchRequest:
     input_len: int | None = None  # prompt tokens by our tokenizer (None: no tokenizer)
     messages: list[dict[str, str]] | None = None  # from a chat-format file, used as-is for chat
     extra: dict[str, Any] = field(default_factory=dict)
+    conversation: int | None = None  # multi-turn: which conversation, and its turn
+    turn: int = 0
+    history: list[tuple[str, str]] = field(default_factory=list)  # earlier (user turn, reply)
 
     def completion_prompt(self) -> str:
-        return (self.system or "") + self.prompt
+        if self.conversation is None:
+            return (self.system or "") + self.prompt
+        # each turn's prompt is the last one's plus the reply the server gave to it
+        past = "".join(f"\n\nUser: {user}\nAssistant:{reply}" for user, reply in self.history)
+        return f"{self.system or ''}{past}\n\nUser: {self.prompt}\nAssistant:"
 
     def chat_messages(self) -> list[dict[str, str]]:
         if self.messages is not None:
@@ -46,6 +58,8 @@ class BenchRequest:
         msgs = []
         if self.system:
             msgs.append({"role": "system", "content": self.system})
+        for user, reply in self.history:
+            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
         msgs.append({"role": "user", "content": self.prompt})
         return msgs
 
@@ -183,6 +197,29 @@ def prefix_workload(
         s = ws.text(n, rng)
         out.append(BenchRequest(i, s, output_len.sample(rng), system=p,
                                 input_len=ws.count(p + s), extra={"prefix": i % len(prefixes)}))
+    return out
+
+
+def multi_turn_workload(
+    tokenizer, num_prompts: int, num_turns: int, prefix_len: int, turn_len: LenSpec,
+    output_len: LenSpec, seed: int, num_prefixes: int = 1,
+) -> list[BenchRequest]:
+    """``ceil(num_prompts / num_turns)`` conversations of ``num_turns`` turns (the last one may be
+    shorter), conversation ``c`` opening with system prompt ``c % num_prefixes``; ordered
+    conversation by conversation."""
+    if tokenizer is None:
+        raise ValueError("the multi-turn workload needs a tokenizer: pass --tokenizer MODEL")
+    if num_turns < 1:
+        raise ValueError("--num-turns must be at least 1")
+    rng = _random.Random(seed)
+    ws = word_sampler(tokenizer)
+    prefixes = [ws.text(prefix_len, rng) for _ in range(max(1, num_prefixes))]
+    out = []
+    for i in range(num_prompts):
+        conv, turn = divmod(i, num_turns)
+        out.append(BenchRequest(i, ws.text(turn_len.sample(rng), rng), output_len.sample(rng),
+                                system=prefixes[conv % len(prefixes)], conversation=conv,
+                                turn=turn, extra={"prefix": conv % len(prefixes)}))
     return out
 
 

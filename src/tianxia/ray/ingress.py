@@ -1,12 +1,14 @@
 """The one HTTP entry of the Ray application: forwards every route to a replica, unchanged.
 
-It parses only what the router needs (the prompt text); validation, errors and streaming are the
-replica's (``tianxia serve``'s own app). A replica lost before its answer gives a 503 in OpenAI's
-error shape; one lost mid-stream ends the stream with an error event, never a hang.
+It parses only what the router needs (the prompt's token ids, ``RoutingTokenizer``); validation,
+errors and streaming are the replica's (``tianxia serve``'s own app). A replica lost before its
+answer gives a 503 in OpenAI's error shape; one lost mid-stream ends the stream with an error
+event, never a hang.
 """
 
 
 # no `from __future__ import annotations`: FastAPI reads the route signature at run time
+import asyncio
 import json
 import logging
 from typing import Any
@@ -16,7 +18,8 @@ from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from tianxia.ray.replica import ForwardedRequest, ResponseHead
+from tianxia.ray.replica import ForwardedRequest, ResponseHead, serve_args
+from tianxia.ray.tokens import RoutingTokenizer
 from tianxia.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -25,32 +28,6 @@ app = FastAPI(title="tianxia (Ray Serve)")
 
 # the replica sets these itself; hop-by-hop ones must not be copied
 _DROP = {b"content-length", b"transfer-encoding", b"connection"}
-
-
-def prompt_text(body: bytes) -> str:
-    """What the router matches on: the completion prompt, or the chat messages' contents in
-    order (a conversation's next turn extends the last one's text)."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return ""
-    if not isinstance(obj, dict):
-        return ""
-    prompt = obj.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        return " ".join(map(str, prompt))
-    messages = obj.get("messages") or obj.get("input")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = "".join(c.get("text", "") for c in content if isinstance(c, dict))
-            parts.append(f"<{m.get('role', '')}>{content or ''}" if isinstance(m, dict) else "")
-        return "".join(parts)
-    return messages if isinstance(messages, str) else ""
 
 
 def _error(status: int, message: str) -> Response:
@@ -66,16 +43,23 @@ def _sse_error(message: str) -> bytes:
 @serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, model: str, serve_flags: list[str]) -> None:
+        from tianxia.server.launcher import _read_chat_template
+
         self.replicas = replicas.options(stream=True)
+        template = _read_chat_template(serve_args(model, serve_flags).chat_template)
+        self.tokenizer = RoutingTokenizer(model, template)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "OPTIONS"])
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _DROP]
+        tokens = None
+        if request.method == "POST" and body:
+            # off the event loop: streams of other requests pass through it
+            tokens = await asyncio.to_thread(self.tokenizer.prompt_tokens, body)
         req = ForwardedRequest(
-            request.method, "/" + path, request.url.query.encode(), headers, body,
-            routing_text=prompt_text(body) if request.method == "POST" else "",
+            request.method, "/" + path, request.url.query.encode(), headers, body, tokens,
         )
         gen = self.replicas.forward.remote(req)
         try:

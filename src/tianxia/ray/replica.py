@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from ray import serve
 
+from tianxia.ray.metrics import ReplicaMetrics
+
 
 @dataclass
 class ForwardedRequest:
@@ -24,7 +26,7 @@ class ForwardedRequest:
     query: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
-    routing_text: str = ""  # the prompt, for the prefix-aware router
+    routing_tokens: list[int] | None = None  # the prompt's token ids, for the prefix-aware router
 
 
 @dataclass
@@ -61,7 +63,7 @@ def _build_app(args: argparse.Namespace):
     dead: list[BaseException] = []
     registry, metrics = _single_model(args, args.model_tag, state, dead.append)
     app = build_app(registry, state=state, metrics=metrics, cors=_cors(args), webui=False)
-    return app, dead
+    return app, dead, metrics
 
 
 class TianxiaReplica:
@@ -69,10 +71,13 @@ class TianxiaReplica:
 
     def __init__(self, model: str, serve_flags: list[str]) -> None:
         self.args = serve_args(model, serve_flags)
-        self.app, self._dead = _build_app(self.args)
+        self.app, self._dead, server_metrics = _build_app(self.args)
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self._lifespan: contextlib.AsyncExitStack | None = None
         self._started = asyncio.Lock()
+        self._metrics = ReplicaMetrics(
+            lambda: {name: src.stats() for name, src in list(server_metrics.engines.items())})
+        self._metrics_task: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     async def _ensure_started(self) -> None:
         async with self._started:
@@ -80,6 +85,7 @@ class TianxiaReplica:
                 stack = contextlib.AsyncExitStack()
                 await stack.enter_async_context(self.app.router.lifespan_context(self.app))
                 self._lifespan = stack
+                self._metrics_task = asyncio.create_task(self._metrics.run())
 
     async def forward(self, req: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
         await self._ensure_started()
