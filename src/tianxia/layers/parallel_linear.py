@@ -1,15 +1,17 @@
 """Tensor-parallel linears and embeddings (Megatron's split): each rank holds a slice of a weight.
 
-- :class:`ColumnParallelLinear` keeps a slice of the output rows (q/k/v heads, gate/up columns)
-  of a float weight: its output is the rank's share, no communication (a packed weight's row
-  slice is simply a smaller ``QuantizedLinear``).
+A column-parallel projection (q/k/v heads, gate/up features) needs no module of its own: it is
+the family's own projection built at the rank's size, its output the rank's share, with no
+communication. The others:
+
 - :class:`RowParallelLinear` keeps the matching slice of the input columns (o, down): each rank's
   product is a partial sum, made whole by one all-reduce.
 - :class:`VocabParallelEmbedding` keeps a range of the vocabulary: a token outside the range
   looks up zeros, and the all-reduce puts every row together.
 - :class:`ParallelLMHead` multiplies by a vocabulary range and all-gathers the logits.
 
-Packed (GGUF) weights are sliced by whole rows and whole 32-value blocks, so the codes, scales
+On a GPU the collectives are NCCL's, run on the device and captured in the decode CUDA graphs like
+any kernel. Packed (GGUF) weights are sliced by whole rows and whole 32-value blocks, so the codes, scales
 and the 8-bit rounding of activations per 32 values are those of the unsharded model. The float32
 products on CPU go through ``dense_linear`` (one fixed operation order per output, as
 the unsharded model's), so a rank's partial sums do not depend on the batch either.
@@ -30,18 +32,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if x.device.type == "cpu" and weight.dtype == torch.float32:
         return cpu_kernels.dense_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W[rows].T + b[rows]``: the rows are this rank's output features."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
