@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import SHAPES, build_hf  # noqa: E402
 
-RESULTS: dict = {}
+RESULTS: dict = {"shapes": {}}
 
 
 def log(msg: str) -> None:
@@ -149,7 +149,7 @@ def decode_time(engine, batch: int, vocab: int) -> dict:
 
 def section(shape: str, args) -> None:
     res: dict = {"shape": shape, **SHAPES[shape]}
-    RESULTS[shape] = res
+    RESULTS["shapes"][shape] = res
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     with tempfile.TemporaryDirectory(prefix="tx-tp-") as tmp:
         path = Path(tmp)
@@ -180,14 +180,14 @@ def section(shape: str, args) -> None:
 def report() -> str:
     lines = ["| shape | batch | TP=1 ms/step | TP=2 ms/step | TP=1 tok/s | TP=2 tok/s | TP=2 / TP=1 |",
              "|---|---|---|---|---|---|---|"]
-    for shape, res in RESULTS.items():
+    for shape, res in RESULTS["shapes"].items():
         for batch in (1, 64):
             a, b = res.get("tp1", {}).get(f"b{batch}"), res.get("tp2", {}).get(f"b{batch}")
             if a and b:
                 lines.append(f"| {shape} | {batch} | {a['step_ms']:.2f} | {b['step_ms']:.2f} | {a['tok_s']:.0f} | "
                              f"{b['tok_s']:.0f} | {b['tok_s'] / a['tok_s']:.2f}x |")
     lines.append("")
-    for shape, res in RESULTS.items():
+    for shape, res in RESULTS["shapes"].items():
         c = res.get("check")
         if c:
             lines.append(f"{shape}: TP=2 vs TP=1 {'ok' if c['ok'] else 'FAILED'}: {c['tokens_equal']}/8 prompts "
@@ -222,7 +222,7 @@ def main() -> int:
             section(shape, args)
         except Exception as e:
             traceback.print_exc()
-            RESULTS.setdefault(shape, {})["error"] = f"{type(e).__name__}: {e}"
+            RESULTS["shapes"].setdefault(shape, {})["error"] = f"{type(e).__name__}: {e}"
     RESULTS["total_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,7 @@ def main() -> int:
     (out / "gpu_tensor_parallel.md").write_text(table + "\n")
     print(table)
     log(f"done in {RESULTS['total_s']:.0f}s; {out / 'gpu_tensor_parallel.json'}")
-    shapes = [RESULTS.get(s, {}) for s in args.shapes]
+    shapes = [RESULTS["shapes"].get(s, {}) for s in args.shapes]
     return 0 if all(s.get("check", {}).get("ok") and "error" not in s for s in shapes) else 1
 
 

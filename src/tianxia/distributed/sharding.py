@@ -134,4 +134,5 @@ def parallelize(model: nn.Module, shard: RankShard, vocab_size: int, group: dist
     setattr(parent, attr, VocabParallelEmbedding(table, start, group))
     head = getattr(model, plan.lm_head)
     # tied: the head multiplies by the embedding's own slice
-    setattr(model, plan.lm_head, ParallelLMHead(table if head is None else head, vocab_size, shard.world_size, group))
+    setattr(model, plan.lm_head, ParallelLMHead(table if head is None else head, vocab_size, shard.rank,
+                                                shard.world_size, group))

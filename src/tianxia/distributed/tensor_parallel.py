@@ -6,7 +6,7 @@ collectives are NCCL's, on the device.
 The scheduler runs once, on rank 0. Each forward pass the runner makes goes to the workers first
 as plain data over a pipe (token ids, positions, the attention metadata with its slot mapping and
 block tables, the rows to keep), so every rank runs the same step on its shard; the collectives
-inside the model (an all-reduce after o and down, after the embedding, an all-gather of the
+inside the model (an all-reduce after o and down, after the embedding, and one gathering the
 logits) keep them in lockstep. Every rank's cache has the same blocks, so the block tables of
 rank 0 index all of them. Pipes rather than a broadcast carry the inputs (host copies, which
 each rank moves to its device): an idle worker waits on its pipe without a collective that would

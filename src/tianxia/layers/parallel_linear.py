@@ -8,7 +8,7 @@ communication. The others:
   product is a partial sum, made whole by one all-reduce.
 - :class:`VocabParallelEmbedding` keeps a range of the vocabulary: a token outside the range
   looks up zeros, and the all-reduce puts every row together.
-- :class:`ParallelLMHead` multiplies by a vocabulary range and all-gathers the logits.
+- :class:`ParallelLMHead` multiplies by a vocabulary range and gathers the logits.
 
 On a GPU the collectives are NCCL's, run on the device and captured in the decode CUDA graphs like
 any kernel. Packed (GGUF) weights are sliced by whole rows and whole 32-value blocks, so the codes, scales
@@ -52,7 +52,7 @@ class RowParallelLinear(nn.Module):
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rank's ``[start, end)`` of the vocabulary: equal shares of ``ceil(V / N)``, the last shorter
-    (all-gather needs equal sizes, so its table is padded with zero rows)."""
+    (equal shares line the logits up by rank, so its table is padded with zero rows)."""
     share = -(-vocab_size // world_size)
     start = min(rank * share, vocab_size)
     return start, min(start + share, vocab_size)
@@ -78,13 +78,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits of this rank's vocabulary range (``proj``: a linear, or the tied embedding's table),
-    all-gathered into ``[T, vocab_size]`` on every rank (the sampler runs on rank 0; the others
-    drop theirs)."""
+    gathered into ``[T, vocab_size]`` on every rank (the sampler runs on rank 0; the others drop
+    theirs). The gather is an all-reduce of rows that are zero outside each rank's range, exact
+    (x + 0 is x): the same collective as the rest of the step, which NCCL runs inside a CUDA
+    graph; the rows are few (the sampled ones), so the N-fold bytes cost little."""
 
-    def __init__(self, proj: nn.Module, vocab_size: int, world_size: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, proj: nn.Module, vocab_size: int, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.proj = proj
-        self.vocab_size, self.world_size, self.group = vocab_size, world_size, group
+        self.vocab_size, self.rank, self.world_size, self.group = vocab_size, rank, world_size, group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         proj = self.proj
@@ -94,7 +97,8 @@ class ParallelLMHead(nn.Module):
             local = _linear(hidden, proj.weight, None)
         else:
             local = proj(hidden)
-        local = local.float().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        share = local.shape[-1]
+        logits = local.new_zeros(local.shape[0], share * self.world_size, dtype=torch.float32)
+        logits[:, self.rank * share : (self.rank + 1) * share] = local
+        dist.all_reduce(logits, group=self.group)
+        return logits[:, : self.vocab_size]
