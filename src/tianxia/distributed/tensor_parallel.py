@@ -392,6 +392,9 @@ class TensorParallelRunner(ModelRunner):
         self.model = tp_model.model
         try:
             super().setup_decode(max_num_seqs, max_model_len, enforce_eager, fused_step=False)
+        except torch.cuda.OutOfMemoryError:
+            workers.close()
+            raise  # the engine words it, with the numbers
         except RuntimeError as e:
             raise tp_model._collective_failed(e) from e
         finally:
