@@ -80,6 +80,7 @@ class RankShard:
         plan = tensor_parallel_plan(config)
         assert plan is not None
         self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.vocab_size = config.vocab_size
         hd = config.head_dim
         q_heads, kv_heads = head_ranges(config, rank, world_size)
         q_size, kv_size = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -105,7 +106,7 @@ class RankShard:
         return self.build
 
     def slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
-        module, _, kind = name.rpartition(".")
+        module = name.rpartition(".")[0]
         for suffix, (split, dim) in self.plan.weights.items():
             if module == suffix or module.endswith("." + suffix):
                 break
@@ -116,7 +117,7 @@ class RankShard:
         return TensorSlice(dim, self.ranges[split], self.vocab_share if split == "vocab" else None)
 
 
-def parallelize(model: nn.Module, shard: RankShard, vocab_size: int, group: dist.ProcessGroup | None = None) -> None:
+def parallelize(model: nn.Module, shard: RankShard, group: dist.ProcessGroup | None = None) -> None:
     """Make a model built and loaded at the rank's size (``shard``) compute as its part of the
     whole: the row-parallel products summed over the ranks, the embedding and LM head split by
     vocabulary. In place."""
@@ -130,9 +131,9 @@ def parallelize(model: nn.Module, shard: RankShard, vocab_size: int, group: dist
     parent_name, _, attr = plan.embedding.rpartition(".")
     parent = model.get_submodule(parent_name)
     table = getattr(parent, attr)
-    start, _ = vocab_range(vocab_size, shard.rank, shard.world_size)
+    start, _ = vocab_range(shard.vocab_size, shard.rank, shard.world_size)
     setattr(parent, attr, VocabParallelEmbedding(table, start, group))
     head = getattr(model, plan.lm_head)
     # tied: the head multiplies by the embedding's own slice
-    setattr(model, plan.lm_head, ParallelLMHead(table if head is None else head, vocab_size, shard.rank,
+    setattr(model, plan.lm_head, ParallelLMHead(table if head is None else head, shard.vocab_size, shard.rank,
                                                 shard.world_size, group))

@@ -104,7 +104,7 @@ def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.d
     shard = RankShard(full, rank, world_size)
     loaded = load_rank_model(config.model, dtype=dtype, device=device, backend=get_backend(device),
                              quantization=config.quantization, shard=shard)
-    parallelize(loaded.model, shard, full.vocab_size)
+    parallelize(loaded.model, shard)
     loaded.model.int8_activations = config.cpu_activations == "int8"
     loaded.config = rank_config(full, rank, world_size)
     return loaded
