@@ -162,7 +162,9 @@ def section(shape: str, args) -> None:
         outs = {}
         for tp in (1, 2):
             engine, startup = make_engine(path, tp, args)
-            r = res[f"tp{tp}"] = {"startup_s": startup, "route_graphs": engine.runner.graph_runner is not None}
+            gr = engine.runner.graph_runner
+            r = res[f"tp{tp}"] = {"startup_s": startup, "route_graphs": gr is not None,
+                                  "capture_s": gr.capture_seconds if gr is not None else None}
             log(f"{shape} TP={tp}: engine up in {startup:.1f}s (decode graphs: {r['route_graphs']})")
             try:
                 outs[tp] = run(engine, check_prompts, 32, logprobs=5)

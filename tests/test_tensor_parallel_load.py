@@ -109,3 +109,14 @@ def test_safetensors_ranks_read_slices(arch, family_dirs):
     GeGLU (Gemma 3), a tied and an untied head."""
     fractions = _check_rank_parts(family_dirs(arch), "none", layers=[0, 1])
     assert all(0.4 < f < 0.6 for f in fractions), fractions
+
+
+def test_a_family_without_a_plan_is_a_clear_error():
+    """GPT-2 declares no tensor-parallel plan: the error names it before any process starts."""
+    from tianxia.config import ModelConfig
+
+    config = ModelConfig(architecture="gpt2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=64)
+    with pytest.raises(ValueError, match="tensor parallelism is not available for gpt2 models"):
+        RankShard(config, 0, 2)

@@ -371,6 +371,9 @@ class LockstepGraphs:
         self.workers.send(("decode", *map(to_host, (ids, pos, meta))))
         return self.graphs.run(ids, pos, meta)
 
+    def __getattr__(self, name: str):
+        return getattr(self.graphs, name)  # what a report reads: ladder, capture_seconds, ...
+
 
 class TensorParallelRunner(ModelRunner):
     """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache,
