@@ -8,7 +8,7 @@ process and the rounds alternate, so a busy spell of a shared machine falls on b
 Cases: a 128-token prompt (tokens/s of one forward pass), one stream generating 32 tokens after
 the first, 8 streams together. Each decode step of a TP=2 engine sends the step's inputs down a
 pipe and makes 2 all-reduces per layer (61 for SmolLM2's 30 layers, with the embedding's) and one
-all-gather of the logits.
+more to gather the logits.
 """
 
 from __future__ import annotations

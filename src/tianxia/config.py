@@ -207,7 +207,8 @@ class EngineConfig:
     # by default
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
-    # tensor parallelism (CPU, gloo): ranks 1..N-1 are worker processes; their rendezvous address
+    # tensor parallelism (CPU: gloo; CUDA: NCCL, rank r on cuda:r): ranks 1..N-1 are worker
+    # processes; their rendezvous address
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port
@@ -293,7 +294,7 @@ def add_quantization_args(parser) -> None:
 def add_parallel_args(parser) -> None:
     """``--tensor-parallel-size`` / ``-tp`` and the rendezvous of its ranks."""
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="split the model over N ranks (processes; CPU, torch.distributed gloo)")
+                        help="split the model over N ranks (processes; torch.distributed: gloo on CPU, NCCL on N GPUs)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0's rendezvous")
     parser.add_argument("--master-port", type=int, default=None,
                         help="port of rank 0's rendezvous (default: a free one)")

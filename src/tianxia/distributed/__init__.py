@@ -1,2 +1,2 @@
-"""Tensor parallelism over ``torch.distributed`` (gloo on CPU): the sharding transform
-(:mod:`.sharding`) and the worker processes that run the shards (:mod:`.tensor_parallel`)."""
+"""Tensor parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPUs): each rank's split
+of the model (:mod:`.sharding`) and the worker processes that run the shards (:mod:`.tensor_parallel`)."""

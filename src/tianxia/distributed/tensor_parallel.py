@@ -1,13 +1,20 @@
 """Tensor parallelism over ``torch.distributed``: rank 0 is the engine's own process, ranks
 1..N-1 are worker processes it spawns, each holding its shard of the model and of the KV cache.
+On CPU the ranks share the cores and talk through gloo; on CUDA rank r runs on ``cuda:r`` and the
+collectives are NCCL's, on the device.
 
 The scheduler runs once, on rank 0. Each forward pass the runner makes goes to the workers first
 as plain data over a pipe (token ids, positions, the attention metadata with its slot mapping and
 block tables, the rows to keep), so every rank runs the same step on its shard; the collectives
-inside the model (an all-reduce after o and down, after the embedding, an all-gather of the
+inside the model (an all-reduce after o and down, after the embedding, and one gathering the
 logits) keep them in lockstep. Every rank's cache has the same blocks, so the block tables of
-rank 0 index all of them. Pipes rather than a broadcast carry the inputs: an idle worker waits on
-its pipe without a collective that would time out, and sees its end close when rank 0 is gone.
+rank 0 index all of them. Pipes rather than a broadcast carry the inputs (host copies, which
+each rank moves to its device): an idle worker waits on its pipe without a collective that would
+time out, and sees its end close when rank 0 is gone.
+
+On CUDA every rank captures the same decode CUDA graphs of its module forward, the NCCL
+all-reduces inside them, in the same order; a decode step then tells the workers to replay
+theirs beside rank 0's.
 
 A collective that waits longer than ``TIANXIA_TP_TIMEOUT`` seconds (default 60) raises, and a
 watchdog on rank 0 ends the process within a second of a worker dying, naming the rank.
@@ -23,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -31,15 +38,15 @@ import torch
 import torch.distributed as dist
 
 from tianxia.config import CacheConfig, EngineConfig
-from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
+from tianxia.distributed.sharding import RankShard, check_supported, parallelize, rank_config
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.loader import LoadedModel, release_freed_memory
-from tianxia.loader import load_model as load_whole_model
+from tianxia.loader import LoadedModel, load_model_config
+from tianxia.loader import load_model as load_rank_model
 
 logger = logging.getLogger(__name__)
 
-_READY_TIMEOUT_S = 600.0  # a worker loads the whole model before sharding it
+_READY_TIMEOUT_S = 600.0  # a worker loads its shard (and on CUDA captures its graphs)
 
 
 def collective_timeout() -> timedelta:
@@ -72,42 +79,89 @@ def cpu_shares(world_size: int) -> list[list[int]]:
     return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: ``cuda:r`` on a GPU machine (one node), the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def _init_group(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # device_id: the communicator is made now, not inside the first collective
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=collective_timeout(), device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=collective_timeout())
+
+
 def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.dtype,
                 device: torch.device) -> LoadedModel:
+    """The rank's model, built at its size from its part of the file alone."""
     from tianxia.layers.attention import get_backend
 
-    loaded = load_whole_model(config.model, dtype=dtype, device=device, backend=get_backend(device),
-                              quantization=config.quantization)
-    check_supported(loaded.config, world_size)
-    shard_llama(loaded.model, rank, world_size)
-    # the sharded modules are new: they take the activation mode now
+    full = load_model_config(config.model)
+    shard = RankShard(full, rank, world_size)
+    loaded = load_rank_model(config.model, dtype=dtype, device=device, backend=get_backend(device),
+                             quantization=config.quantization, shard=shard)
+    parallelize(loaded.model, shard)
     loaded.model.int8_activations = config.cpu_activations == "int8"
-    release_freed_memory()  # the other ranks' slices
-    loaded.config = rank_config(loaded.config, rank, world_size)
+    loaded.config = rank_config(full, rank, world_size)
     return loaded
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a rank holds (its parameters and buffers)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def to_host(value):
+    """A step's inputs as the pipe carries them: tensors (also inside the attention metadata) on
+    the CPU, since a CUDA tensor would cross as a handle to rank 0's device."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if is_dataclass(value):
+        return replace(value, **{f.name: to_host(getattr(value, f.name)) for f in fields(value)
+                                 if isinstance(getattr(value, f.name), torch.Tensor)})
+    return value
+
+
+def to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if is_dataclass(value):
+        return replace(value, **{f.name: getattr(value, f.name).to(device) for f in fields(value)
+                                 if isinstance(getattr(value, f.name), torch.Tensor)})
+    return value
 
 
 # --- workers ----------------------------------------------------------------------------------------
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, cache: CacheConfig,
-                 dtype: torch.dtype, kv_dtype: torch.dtype | str, cpus: list[int], threads: int,
-                 conn: Connection, log_level: int) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | str, device_type: str, cpus: list[int],
+                 threads: int, conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
-    device = torch.device("cpu")
+    device = rank_device(torch.device(device_type), rank)
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         conn.send(("started", None))
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=collective_timeout())
+        _init_group(rank, world_size, init_method, device)
         loaded = _load_shard(config, rank, world_size, dtype, device)
         runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
-        from tianxia.quant import cpu_kernels
+        if device.type == "cpu":
+            from tianxia.quant import cpu_kernels
 
-        cpu_kernels.extension()
-        conn.send(("ready", runner.num_blocks))
+            cpu_kernels.extension()
+        conn.send(("ready", (runner.num_blocks, weight_bytes(loaded.model), peak_rss_bytes())))
     except Exception as e:  # rank 0 reports it and stops
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
@@ -117,20 +171,30 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 @torch.inference_mode()
 def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
     """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
+    device = runner.device
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        kind = msg[0]
+        kind, args = msg[0], [to_device(a, device) for a in msg[1:]]
         if kind == "forward":
-            _, ids, pos, meta, keep = msg
+            ids, pos, meta, keep = args
             model(ids, pos, runner.kv_caches, meta, keep)
         elif kind == "logits":
-            model.compute_logits(msg[1])
+            model.compute_logits(args[0])
+        elif kind == "decode":
+            runner.graph_runner.run(*args)
         elif kind == "copy":
-            for src, dst in msg[1]:
+            for src, dst in args[0]:
                 runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
+        elif kind == "setup_decode":
+            try:
+                runner.setup_decode(*args, fused_step=False)
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+                sys.exit(1)
+            conn.send(("decode_ready", runner.graph_runner is not None))
         elif kind == "stop":
             return
 
@@ -140,6 +204,7 @@ class WorkerGroup:
 
     def __init__(self, procs: list, conns: list[Connection]) -> None:
         self.procs, self.conns = procs, conns
+        self.ready: list[tuple[int, int, int]] = []  # each worker's KV blocks, weight bytes, peak RSS
         self._closing = threading.Event()
         self._finalizer = weakref.finalize(self, _stop_workers, procs, conns, self._closing)
 
@@ -170,12 +235,15 @@ class WorkerGroup:
         return values
 
     def wait_ready(self, num_blocks: int) -> None:
-        blocks = self.wait_for("ready", _READY_TIMEOUT_S)
-        for rank, (value, proc) in enumerate(zip(blocks, self.procs), start=1):
-            if value != num_blocks:
+        """Wait for every worker's shard and KV cache; keeps each one's weight bytes and peak
+        resident memory (``self.ready``)."""
+        self.ready = self.wait_for("ready", _READY_TIMEOUT_S)
+        for rank, ((blocks, weights, rss), proc) in enumerate(zip(self.ready, self.procs), start=1):
+            if blocks != num_blocks:
                 self.close()
-                raise RuntimeError(f"tensor-parallel rank {rank} has {value} KV blocks, rank 0 {num_blocks}")
-            logger.info("tensor parallel: rank %d ready (pid %d)", rank, proc.pid)
+                raise RuntimeError(f"tensor-parallel rank {rank} has {blocks} KV blocks, rank 0 {num_blocks}")
+            logger.info("tensor parallel: rank %d ready (pid %d); weights %.1f MiB, peak resident memory "
+                        "%.1f MiB", rank, proc.pid, weights / 2**20, rss / 2**20)
 
     def describe(self) -> str:
         """Each worker's state, for an error: running, stopped (a signal), or exited."""
@@ -246,7 +314,7 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
-        self.workers.send(("forward", input_ids, positions, meta, keep))
+        self.workers.send(("forward", *map(to_host, (input_ids, positions, meta, keep))))
         try:
             return self.model(input_ids, positions, kv_caches, meta, keep)
         except RuntimeError as e:
@@ -255,7 +323,7 @@ class TensorParallelModel:
     forward = __call__
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.workers.send(("logits", hidden))
+        self.workers.send(("logits", to_host(hidden)))
         try:
             return self.model.compute_logits(hidden)
         except RuntimeError as e:
@@ -271,11 +339,10 @@ class TensorParallelModel:
                             "(TIANXIA_TP_TIMEOUT); the engine cannot go on")
 
     def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
-        logger.info("tensor parallel: decode steps run the module forward (no fused step)")
-        return None
+        return None  # the fused steps hold no collectives: the module forward runs
 
     def cuda_graph_unsafe_reason(self) -> str | None:
-        return "tensor parallelism runs eagerly"
+        return self.model.cuda_graph_unsafe_reason()
 
     # rank 0's own modules and tensors (its share of the weights), for the engine's and the
     # server's accounting
@@ -292,13 +359,55 @@ class TensorParallelModel:
         self.workers.close()
 
 
+class LockstepGraphs:
+    """Rank 0's decode graphs: each replay first tells the workers to replay theirs, whose NCCL
+    all-reduces meet rank 0's."""
+
+    def __init__(self, graphs, workers: WorkerGroup) -> None:
+        self.graphs, self.workers = graphs, workers
+        self.max_batch = graphs.max_batch
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.workers.send(("decode", *map(to_host, (ids, pos, meta))))
+        return self.graphs.run(ids, pos, meta)
+
+    def __getattr__(self, name: str):
+        return getattr(self.graphs, name)  # what a report reads: ladder, capture_seconds, ...
+
+
 class TensorParallelRunner(ModelRunner):
-    """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache."""
+    """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache,
+    and on CUDA every rank captures its decode graphs."""
 
     def execute(self, scheduled, copies=(), forks=None):
         if copies:
             self.model.workers.send(("copy", list(copies)))
         return super().execute(scheduled, copies, forks)
+
+    def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+                     fused_step: bool = True) -> None:
+        """Every rank sets up the same route at once (on CUDA: captures the same graphs of its
+        module forward, whose warm-up steps run the collectives together). Rank 0 captures its own
+        shard's forward, which sends the workers nothing."""
+        tp_model: TensorParallelModel = self.model
+        workers = tp_model.workers
+        workers.send(("setup_decode", max_num_seqs, max_model_len, enforce_eager))
+        self.model = tp_model.model
+        try:
+            super().setup_decode(max_num_seqs, max_model_len, enforce_eager, fused_step=False)
+        except torch.cuda.OutOfMemoryError:
+            workers.close()
+            raise  # the engine words it, with the numbers
+        except RuntimeError as e:
+            raise tp_model._collective_failed(e) from e
+        finally:
+            self.model = tp_model
+        graphs = workers.wait_for("decode_ready", _READY_TIMEOUT_S)
+        if any(g != (self.graph_runner is not None) for g in graphs):
+            workers.close()
+            raise RuntimeError(f"tensor parallel: the ranks chose different decode routes ({graphs})")
+        if self.graph_runner is not None:
+            self.graph_runner = LockstepGraphs(self.graph_runner, workers)
 
 
 def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -307,11 +416,15 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
 
     Workers load while rank 0 does; the engine waits for them in :func:`wait_for_workers`.
     """
-    from tianxia.loader import load_model_config
-
     world = config.tensor_parallel_size
-    if device.type != "cpu":
-        raise ValueError("--tensor-parallel-size runs on CPU (gloo) so far; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--tensor-parallel-size runs on CPU (gloo) or CUDA GPUs (NCCL), not {device.type}")
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
+    if device.type == "cuda" and config.cache.gpu_memory_utilization is not None:
+        raise ValueError("--gpu-memory-utilization is not available with --tensor-parallel-size yet; "
+                         "size the KV cache with --kv-cache-memory")
     if getattr(config, "lora", None) is not None:
         raise ValueError("--enable-lora is not available with --tensor-parallel-size yet")
     full = load_model_config(config.model)
@@ -323,7 +436,8 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     else:
         check_port(addr, port)
     init_method = f"tcp://{addr}:{port}"
-    shares = cpu_shares(world)
+    # CPU ranks split the cores; GPU ranks keep them all (they mostly launch kernels)
+    shares = cpu_shares(world) if device.type == "cpu" else [[] for _ in range(world)]
     # every rank's cache has the same blocks, sized by rank 0's, which holds the most KV heads
     per_block = kv_bytes_per_token(rank_config(full, 0, world), kv_dtype) * config.cache.block_size
     cache = replace(config.cache, num_blocks=config.cache.num_blocks
@@ -337,8 +451,8 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=_worker_main, name=f"tianxia-tp-rank{rank}", daemon=True,
-            args=(rank, world, init_method, config, cache, dtype, kv_dtype, shares[rank], threads, child,
-                  logging.getLogger().level),
+            args=(rank, world, init_method, config, cache, dtype, kv_dtype, device.type, shares[rank], threads,
+                  child, logging.getLogger().level),
         )
         proc.start()
         child.close()
@@ -347,12 +461,12 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     workers = WorkerGroup(procs, conns)
     workers.wait_for("started", _READY_TIMEOUT_S)
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world,
-                            timeout=collective_timeout())
+    device = rank_device(device, 0)
+    _init_group(0, world, init_method, device)
     loaded = _load_shard(config, 0, world, dtype, device)
-    logger.info("tensor parallel: %d ranks on %s, %d threads each; rank 0 holds %d of %d KV heads",
-                world, init_method, threads, loaded.config.num_key_value_heads,
-                full.num_key_value_heads)
+    logger.info("tensor parallel: %d ranks (%s) on %s, %d threads each; rank 0 holds %d of %d KV heads; "
+                "weights %.1f MiB", world, dist.get_backend(), init_method, threads,
+                loaded.config.num_key_value_heads, full.num_key_value_heads, weight_bytes(loaded.model) / 2**20)
     loaded.model = TensorParallelModel(loaded.model, workers)
     return loaded
 

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
+# only this thread's calls may break a capture: under tensor parallelism NCCL's watchdog thread
+# polls the events of earlier collectives while a graph of the step's all-reduces is captured
+_CAPTURE_MODE = "thread_local"
+
 
 def batch_ladder(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
@@ -108,7 +112,7 @@ class CudaGraphRunner:
             pool = None
             for p in sorted(self.ladder, reverse=True):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=_CAPTURE_MODE):
                     self._forward(p)
                 if pool is None:
                     pool = g.pool()
@@ -143,7 +147,7 @@ class CudaGraphRunner:
                 self.set_variant(name)
                 g = torch.cuda.CUDAGraph()
                 self._forward(1)
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=_CAPTURE_MODE):
                     self._forward(1)
                 graphs[name] = g
         finally:

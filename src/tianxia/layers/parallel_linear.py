@@ -1,15 +1,17 @@
 """Tensor-parallel linears and embeddings (Megatron's split): each rank holds a slice of a weight.
 
-- :class:`ColumnParallelLinear` keeps a slice of the output rows (q/k/v heads, gate/up columns)
-  of a float weight: its output is the rank's share, no communication (a packed weight's row
-  slice is simply a smaller ``QuantizedLinear``).
+A column-parallel projection (q/k/v heads, gate/up features) needs no module of its own: it is
+the family's own projection built at the rank's size, its output the rank's share, with no
+communication. The others:
+
 - :class:`RowParallelLinear` keeps the matching slice of the input columns (o, down): each rank's
   product is a partial sum, made whole by one all-reduce.
 - :class:`VocabParallelEmbedding` keeps a range of the vocabulary: a token outside the range
   looks up zeros, and the all-reduce puts every row together.
-- :class:`ParallelLMHead` multiplies by a vocabulary range and all-gathers the logits.
+- :class:`ParallelLMHead` multiplies by a vocabulary range and gathers the logits.
 
-Packed (GGUF) weights are sliced by whole rows and whole 32-value blocks, so the codes, scales
+On a GPU the collectives are NCCL's, run on the device and captured in the decode CUDA graphs like
+any kernel. Packed (GGUF) weights are sliced by whole rows and whole 32-value blocks, so the codes, scales
 and the 8-bit rounding of activations per 32 values are those of the unsharded model. The float32
 products on CPU go through ``dense_linear`` (one fixed operation order per output, as
 the unsharded model's), so a rank's partial sums do not depend on the batch either.
@@ -32,18 +34,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x, weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y_local = x @ W[rows].T + b[rows]``: the rows are this rank's output features."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
-
-
 class RowParallelLinear(nn.Module):
     """``y = all_reduce(local(x_local)) + b``: ``local`` multiplies by this rank's input columns
     (a float or a packed slice); the bias is added once, after the sum."""
@@ -62,7 +52,7 @@ class RowParallelLinear(nn.Module):
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rank's ``[start, end)`` of the vocabulary: equal shares of ``ceil(V / N)``, the last shorter
-    (all-gather needs equal sizes, so its table is padded with zero rows)."""
+    (equal shares line the logits up by rank, so its table is padded with zero rows)."""
     share = -(-vocab_size // world_size)
     start = min(rank * share, vocab_size)
     return start, min(start + share, vocab_size)
@@ -88,13 +78,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits of this rank's vocabulary range (``proj``: a linear, or the tied embedding's table),
-    all-gathered into ``[T, vocab_size]`` on every rank (the sampler runs on rank 0; the others
-    drop theirs)."""
+    gathered into ``[T, vocab_size]`` on every rank (the sampler runs on rank 0; the others drop
+    theirs). The gather is an all-reduce of rows that are zero outside each rank's range, exact
+    (x + 0 is x): the same collective as the rest of the step, which NCCL runs inside a CUDA
+    graph; the rows are few (the sampled ones), so the N-fold bytes cost little."""
 
-    def __init__(self, proj: nn.Module, vocab_size: int, world_size: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, proj: nn.Module, vocab_size: int, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.proj = proj
-        self.vocab_size, self.world_size, self.group = vocab_size, world_size, group
+        self.vocab_size, self.rank, self.world_size, self.group = vocab_size, rank, world_size, group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         proj = self.proj
@@ -104,7 +97,8 @@ class ParallelLMHead(nn.Module):
             local = _linear(hidden, proj.weight, None)
         else:
             local = proj(hidden)
-        local = local.float().contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        share = local.shape[-1]
+        logits = local.new_zeros(local.shape[0], share * self.world_size, dtype=torch.float32)
+        logits[:, self.rank * share : (self.rank + 1) * share] = local
+        dist.all_reduce(logits, group=self.group)
+        return logits[:, : self.vocab_size]

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from tianxia.config import ModelConfig
 from tianxia.layers.attention import AttentionBackend
 from tianxia.loader.errors import ModelLoadError
+from tianxia.loader.slicing import WeightShard
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,13 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     quantization: str = "auto",
+    shard: WeightShard | None = None,
 ) -> LoadedModel:
     """Build the model on the ``meta`` device, then materialize it and copy each weight in once.
+
+    With ``shard`` (a tensor-parallel rank), the model is built at the rank's size and only the
+    rank's part of each tensor is read from the file; the returned config is the rank's build
+    config.
 
     On CPU, for models that take packed weights, GGUF block-quantized matrices stay packed
     (``quantization="auto"``) and float matrices can be quantized as they stream in (``q8_0``,
@@ -67,7 +73,8 @@ def load_model(
 
     t0 = time.perf_counter()
     path, gguf_file = _open(spec)
-    config = gguf_file.model_config() if gguf_file is not None else st.hf_model_config(path)
+    full_config = gguf_file.model_config() if gguf_file is not None else st.hf_model_config(path)
+    config = full_config if shard is None else shard.model_config(full_config)
     model_class = get_model_class(config)
     packed = device.type == "cpu" and quantization != "none" and getattr(model_class, "packed_weights", False)
     # on a GPU, int8 / fp8 replace the decoder projections after load (per-channel scales)
@@ -82,9 +89,9 @@ def load_model(
         where = "on CPU" if device.type != "cpu" else f"for {config.architecture} models"
         raise ValueError(f"--quantization {quantization} is not available {where}; use auto or none")
     if gguf_file is not None:
-        weights = gguf_file.hf_weights(config, packed=packed)
+        weights = gguf_file.hf_weights(full_config, packed=packed, shard=shard)
     else:
-        weights = st.hf_weights(path)
+        weights = st.hf_weights(path, shard)
     if quantization not in ("auto", "none") and not channelwise:
         weights = quantize_weights(weights, quantization)
 

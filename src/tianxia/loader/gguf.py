@@ -18,6 +18,7 @@ import torch
 
 from tianxia.config import ModelConfig
 from tianxia.loader.errors import ModelLoadError
+from tianxia.loader.slicing import TensorSlice, WeightShard, packed_cols, pad_packed_rows, pad_rows
 from tianxia.quant.packed import PackedWeight
 
 # GGUF tensor names (llama.cpp's, as gguf-py's TensorNameMap writes them) <-> Hugging Face names,
@@ -314,16 +315,38 @@ class GGUFFile:
     def chat_template(self) -> str | None:
         return self.metadata("tokenizer.chat_template")
 
-    def read_tensor(self, name: str) -> torch.Tensor:
-        """Dequantize one tensor to float32 in PyTorch (row-major, HF) shape."""
-        from tianxia.quant.gguf_codecs import UnsupportedQuantTypeError, dequantize
-
+    def _raw(self, name: str, part: TensorSlice | None) -> tuple[np.ndarray, tuple[int, ...], tuple[int, int] | None]:
+        """The bytes of tensor ``name`` (or of ``part`` of it: its rows, or the blocks that cover its
+        columns, copied out of the file mapping alone), their PyTorch-order shape, and the columns
+        to cut once they are decoded."""
         t = self.tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
         shape = tuple(int(d) for d in reversed(t.shape))
+        data = t.data  # a view of the mapping: nothing is read until it is copied
+        if part is None:
+            return np.asarray(data), shape, None
+        if part.dim == 0:
+            raw = np.concatenate([data[a:b] for a, b in part.ranges])
+            return raw, (sum(b - a for a, b in part.ranges), *shape[1:]), None
+        import gguf
+
+        (a, b), = part.ranges
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if block == 1:  # a float tensor: its numpy view is in elements
+            return np.ascontiguousarray(data[:, a:b]), (shape[0], b - a), None
+        lo, hi = a // block, -(-b // block)
+        raw = np.ascontiguousarray(data[:, lo * size : hi * size])
+        return raw, (shape[0], (hi - lo) * block), (a - lo * block, b - lo * block)
+
+    def read_tensor(self, name: str, part: TensorSlice | None = None) -> torch.Tensor:
+        """Dequantize one tensor (or ``part`` of it) to float32 in PyTorch (row-major, HF) shape."""
+        from tianxia.quant.gguf_codecs import UnsupportedQuantTypeError, dequantize
+
+        raw, shape, cut = self._raw(name, part)
+        t = self.tensors[name]
         try:
-            return dequantize(np.asarray(t.data), t.tensor_type, shape)
+            tensor = dequantize(raw, t.tensor_type, shape)
         except UnsupportedQuantTypeError as e:
             raise ModelLoadError(f"{self.path}: tensor {name!r}: {e}") from e
         except Exception as e:
@@ -331,41 +354,48 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}) cannot be "
                 f"decoded: {e}"
             ) from e
+        if cut is not None:
+            tensor = tensor[:, cut[0] : cut[1]].contiguous()
+        return pad_rows(tensor, part.rows if part else None)
 
-    def read_packed(self, name: str) -> PackedWeight | None:
-        """The matrix ``name`` repacked for the CPU kernels, or None if its type has no packed form."""
+    def read_packed(self, name: str, part: TensorSlice | None = None) -> PackedWeight | None:
+        """The matrix ``name`` (or ``part`` of it) repacked for the CPU kernels, or None if its type
+        has no packed form."""
         from tianxia.quant.packed import PACKABLE_TYPES, from_gguf
 
         t = self.tensors[name]
         if len(t.shape) != 2 or t.tensor_type not in PACKABLE_TYPES:
             return None
-        shape = (int(t.shape[1]), int(t.shape[0]))
+        raw, shape, cut = self._raw(name, part)
         try:
-            return from_gguf(np.asarray(t.data), t.tensor_type, shape)
+            packed = from_gguf(raw, t.tensor_type, shape)
         except Exception as e:
             raise ModelLoadError(
                 f"{self.path}: tensor {name!r} ({t.tensor_type.name}, shape {shape}) cannot be "
                 f"decoded: {e}"
             ) from e
+        if cut is not None:
+            packed = packed_cols(packed, *cut)
+        return pad_packed_rows(packed, part.rows if part else None)
 
     def hf_weights(
-        self, config: ModelConfig, packed: bool = False
+        self, config: ModelConfig, packed: bool = False, shard: WeightShard | None = None
     ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield ``(hf_name, tensor)`` for every tensor the model uses, in HF layout: float32, or
         with ``packed`` a :class:`PackedWeight` for each block-quantized matrix (one tensor at a
-        time, so the float32 model never exists in memory)."""
+        time, so the float32 model never exists in memory); with ``shard``, only the part of each
+        tensor that one tensor-parallel rank keeps is read."""
         arch, two_ln = self.architecture, self.two_ln
-        for name in self.tensors:
+        for name, t in self.tensors.items():
             hf_name = gguf_to_hf_name(name, arch, two_ln)
             if hf_name is None:
                 continue
-            tensor = self.read_packed(name) if packed else None
+            part = shard.slice(hf_name, tuple(int(d) for d in reversed(t.shape))) if shard else None
+            tensor = self.read_packed(name, part) if packed else None
             if tensor is None:
-                tensor = self.read_tensor(name)
+                tensor = self.read_tensor(name, part)
             if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-                heads = config.num_attention_heads
-                if ".k_proj." in hf_name:
-                    heads = config.num_key_value_heads
+                heads = tensor.shape[0] // config.head_dim  # a rank's part holds whole heads
                 if isinstance(tensor, torch.Tensor):
                     tensor = unpermute_rope_rows(tensor, heads)
                 else:

@@ -11,6 +11,7 @@ import torch
 
 from tianxia.config import ModelConfig
 from tianxia.loader.errors import ModelLoadError
+from tianxia.loader.slicing import WeightShard, read_safetensors_slice
 
 # HF model_type -> our architecture name
 _MODEL_TYPES = {
@@ -215,14 +216,21 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(model_dir: Path, shard: WeightShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; with ``shard``, only the part one tensor-parallel rank
+    keeps is copied out of the file mapping."""
     from safetensors import safe_open
 
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if shard is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    view = f.get_slice(name)
+                    part = shard.slice(name, tuple(view.get_shape()))
+                    yield name, f.get_tensor(name) if part is None else read_safetensors_slice(view, part)
         except ModelLoadError:
             raise
         except Exception as e:

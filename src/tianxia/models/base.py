@@ -14,6 +14,7 @@ is the one place that picks the route of each step:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -44,11 +45,38 @@ class DecodeStep(Protocol):
                  meta: AttentionMetadata) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a family splits over tensor-parallel ranks (Megatron's scheme), named by checkpoint
+    tensors and modules, so the distributed code needs no model class.
+
+    ``weights`` maps the end of a checkpoint module name (``"self_attn.q_proj"``) to what it splits
+    by and along which dimension. The splits: ``"heads"`` (query heads), ``"kv_heads"``, ``"qkv"``
+    (q, k and v fused in one matrix), ``"intermediate"``, ``"gate_up"`` (gate and up fused),
+    ``"vocab"``; dimension 0 keeps output rows (column-parallel: no communication), 1 keeps input
+    columns (row-parallel: the rank's output is a partial sum). The modules named in
+    ``row_parallel`` are summed over the ranks after their product; ``embedding`` and ``lm_head``
+    (None when tied) are the model's attributes that hold the vocabulary.
+
+    A family with a plan builds itself at a rank's size from a config whose head counts,
+    intermediate size and vocabulary (equal shares, the last padded) are the rank's, so each
+    rank's slices of the checkpoint load as they are.
+    """
+
+    weights: dict[str, tuple[str, int]]
+    row_parallel: tuple[str, ...]
+    embedding: str
+    lm_head: str
+
+
 class CausalLM(Protocol):
     """The calls the engine makes on a loaded model (every class in ``models/`` provides them)."""
 
     #: whether ``forward`` takes ``keep`` (rows to carry through the last layer's MLP)
     keeps_rows: bool
+    #: how the family splits over tensor-parallel ranks (a class attribute); a family without
+    #: one runs on one rank only
+    tensor_parallel_plan: TensorParallelPlan | None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor: ...

@@ -39,6 +39,7 @@ from tianxia.layers.lora import LoRATarget
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear, dense_linear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
+from tianxia.models.base import TensorParallelPlan
 from tianxia.quant.packed import PackedWeight, stack_runs
 
 logger = logging.getLogger(__name__)
@@ -226,10 +227,32 @@ _STACKED = {
 }
 _LAYER_MODULE = re.compile(r"^(model\.layers\.\d+\.)([a-z_]+)(\..+)$")
 
+# q/k/v and gate/up column-parallel, o and down row-parallel, the vocabulary split (Phi-3 and
+# GLM-4 checkpoints hold q/k/v or gate/up already fused)
+_TENSOR_PARALLEL = TensorParallelPlan(
+    weights={
+        "self_attn.q_proj": ("heads", 0),
+        "self_attn.k_proj": ("kv_heads", 0),
+        "self_attn.v_proj": ("kv_heads", 0),
+        "self_attn.qkv_proj": ("qkv", 0),
+        "self_attn.o_proj": ("heads", 1),
+        "mlp.gate_proj": ("intermediate", 0),
+        "mlp.up_proj": ("intermediate", 0),
+        "mlp.gate_up_proj": ("gate_up", 0),
+        "mlp.down_proj": ("intermediate", 1),
+        "model.embed_tokens": ("vocab", 0),
+        "lm_head": ("vocab", 0),
+    },
+    row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+    embedding="model.embed_tokens",
+    lm_head="lm_head",
+)
+
 
 class LlamaForCausalLM(nn.Module):
     packed_weights = True  # load_weights takes PackedWeight matrices (CPU kernels)
     keeps_rows = True  # forward takes `keep`
+    tensor_parallel_plan = _TENSOR_PARALLEL
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
