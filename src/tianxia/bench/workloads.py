@@ -180,16 +180,22 @@ def random_workload(
     return out
 
 
+def _shared_prefixes(workload: str, tokenizer, prefix_len: int, num_prefixes: int,
+                     rng: _random.Random) -> tuple[WordSampler, list[str]]:
+    """The word sampler of ``tokenizer`` and ``num_prefixes`` texts of ``prefix_len`` tokens."""
+    if tokenizer is None:
+        raise ValueError(f"the {workload} workload needs a tokenizer: pass --tokenizer MODEL")
+    ws = word_sampler(tokenizer)
+    return ws, [ws.text(prefix_len, rng) for _ in range(max(1, num_prefixes))]
+
+
 def prefix_workload(
     tokenizer, num_prompts: int, prefix_len: int, suffix_len: LenSpec, output_len: LenSpec,
     seed: int, num_prefixes: int = 1,
 ) -> list[BenchRequest]:
     """``num_prefixes`` shared prefixes of ``prefix_len`` tokens, each request one of them + suffix."""
-    if tokenizer is None:
-        raise ValueError("the prefix workload needs a tokenizer: pass --tokenizer MODEL")
     rng = _random.Random(seed)
-    ws = word_sampler(tokenizer)
-    prefixes = [ws.text(prefix_len, rng) for _ in range(max(1, num_prefixes))]
+    ws, prefixes = _shared_prefixes("prefix", tokenizer, prefix_len, num_prefixes, rng)
     out = []
     for i in range(num_prompts):
         p = prefixes[i % len(prefixes)]
@@ -207,13 +213,10 @@ def multi_turn_workload(
     """``ceil(num_prompts / num_turns)`` conversations of ``num_turns`` turns (the last one may be
     shorter), conversation ``c`` opening with system prompt ``c % num_prefixes``; ordered
     conversation by conversation."""
-    if tokenizer is None:
-        raise ValueError("the multi-turn workload needs a tokenizer: pass --tokenizer MODEL")
     if num_turns < 1:
         raise ValueError("--num-turns must be at least 1")
     rng = _random.Random(seed)
-    ws = word_sampler(tokenizer)
-    prefixes = [ws.text(prefix_len, rng) for _ in range(max(1, num_prefixes))]
+    ws, prefixes = _shared_prefixes("multi-turn", tokenizer, prefix_len, num_prefixes, rng)
     out = []
     for i in range(num_prompts):
         conv, turn = divmod(i, num_turns)
