@@ -91,17 +91,18 @@ class LlamaCpuStep:
         self.lora: LoRAState | None = None
         # each projection the decoder runs -> (layer, projection index), for LoRA targets
         self._proj_index: dict[int, tuple[int, int]] = {}
+        self._lora_modules: dict[str, int] = {}  # LoRA target name -> id of its projection
         self.decoder = ext.Decoder(
             inner.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             mlp.down_proj.in_features, inner.norm.eps, offset, attn.scale, attn.softcap or 0.0,
             first.sandwich, isinstance(mlp.act, ActAndMul), attn.rotary_emb.interleaved, int8,
             inner.norm.weight.data.float(),
         )
-        for layer, cache in zip(inner.layers, kv_caches):
+        for li, (layer, cache) in enumerate(zip(inner.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             linears, formats = [], []
             for pi, proj in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                self._proj_index[id(proj)] = (len(self._proj_index) // 4, pi)
+                self._proj_index[id(proj)] = (li, pi)
                 tensors, fmt = _linear_args(proj)
                 linears += tensors
                 formats += fmt

@@ -3,6 +3,7 @@ it serves (each a model whose ``parent`` is the base), and their cards."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -83,10 +84,13 @@ class ServingModels:
         try:
             # every engine core loads it (and checks it against the model)
             await engine.utility("add_lora", name, path)
-        except ValueError as e:
+        except Exception as e:
             # a core that did load it forgets it again, so the cores agree
-            await engine.utility("remove_lora", name)
-            raise APIError(400, str(e), param="lora_path") from None
+            with contextlib.suppress(Exception):
+                await engine.utility("remove_lora", name)
+            if isinstance(e, ValueError):  # the file is bad for this model: the client's fault
+                raise APIError(400, str(e), param="lora_path") from None
+            raise
         finally:
             self._loading.discard(name)
         adapters[name] = path
