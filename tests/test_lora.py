@@ -40,7 +40,8 @@ def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[
              for i, (name, _) in enumerate(jobs)]
     outs = llm.generate([{"prompt_token_ids": tok.encode(p)} for _, p in jobs], params, use_tqdm=False,
                         lora_request=loras)
-    assert llm.engine.runner.route_counts["eager"] > 0
+    # prompts take the module forward; decode steps, adapters in them or not, the fused step
+    assert llm.engine.runner.route_counts["eager"] > 0 and llm.engine.runner.route_counts["fused"] > 0
     first_step: dict[tuple[str | None, str], torch.Tensor] = {}
     for (name, prompt), out in zip(jobs, outs):
         got = out.outputs[0].token_ids
@@ -92,6 +93,30 @@ def test_smollm2_adapters_match_peft(smollm2_path, smollm2_reference, tmp_path):
     llm = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=256, seed=0, cpu_activations="float32",
               enable_lora=True, max_loras=2, max_lora_rank=8)
     check_against_peft(llm, smollm2_reference, adapters, PROMPTS[:2], "smollm2")
+
+
+def test_fused_decode_step_adds_the_same_deltas_as_the_module_path(tiny_llm, tiny_adapters):
+    """The fused C++ step and the module forward's hooks give the same bits with adapters."""
+    adapters = tiny_adapters["llama"][1]
+    runner = tiny_llm.engine.runner
+    assert runner.fused_lora
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=3, ignore_eos=True)
+    loras = [None, *(LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items()))]
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS)]
+
+    def run() -> list:
+        outs = tiny_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused_before = runner.route_counts["fused"]
+    fused = run()
+    assert runner.route_counts["fused"] >= fused_before + NEW_TOKENS - 1
+    runner.fused_lora = False
+    try:
+        assert run() == fused
+    finally:
+        runner.fused_lora = True
 
 
 def test_prefix_cache_keys_blocks_by_adapter(tiny_llm, tiny_adapters):

@@ -153,3 +153,41 @@ def test_runtime_updates_need_the_flag_and_bad_start_up_adapters_name_the_file(s
     )
     assert proc.returncode != 0
     assert str(adapters["r32"]) in proc.stderr and "--max-lora-rank" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_runtime_load_reaches_every_data_parallel_core_and_matches_peft(setup):
+    model_dir, base, adapters = setup
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    with ServerProcess([str(model_dir), "--served-model-name", BASE_NAME, "--kv-cache-memory", "32MiB",
+                        "--max-model-len", "128", "--cpu-activations", "float32", "--enable-lora",
+                        "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+                        "--data-parallel-size", "2", "--threads", "1"]) as srv:
+        http = httpx.Client(base_url=srv.url, timeout=300)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        # a core's refusal is the client's 400, and the server serves on
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(adapters["r32"])})
+        assert r.status_code == 400 and "above --max-lora-rank 8" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": str(adapters["all"])})
+        assert r.status_code == 200, r.text
+        assert {m.id: m.parent for m in client.models.list().data}["all"] == BASE_NAME
+        jobs = [tokenizer.encode(p) for p in PROMPTS]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda ids: complete(client, "all", ids), jobs))
+        scrape = http.get("/metrics").text
+        for core in ("0", "1"):  # both cores served the adapter
+            assert (metric(scrape, "tianxia:engine_generation_tokens_total", engine=core) or 0) > 0, scrape
+        assert metric(scrape, "tianxia:lora_requests_total", lora_name="all") == len(PROMPTS)
+        for ids, (text, logprobs) in zip(jobs, results):
+            ref_tokens, ref_lps = greedy(base, adapters["all"], ids)
+            assert text == tokenizer.decode(ref_tokens)
+            for i, (t, lp) in enumerate(zip(ref_tokens, logprobs)):
+                assert abs(lp - ref_lps[i][t].item()) < 1e-4, i
+        # every core forgot it: the name loads again, from another file
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete(client, "all", jobs[0])
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": str(adapters["qv"])})
+        assert r.status_code == 200, r.text
+        assert complete(client, "all", jobs[0])[0] == tokenizer.decode(greedy(base, adapters["qv"], jobs[0])[0])

@@ -86,11 +86,14 @@ METHODS = ("ngram", "draft_model")
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRA options: ``max_loras`` distinct adapters in one batch, ``max_lora_rank`` the
-    largest rank accepted, ``max_cpu_loras`` adapters kept in memory (LRU; None: ``max_loras``)."""
+    largest rank accepted, ``max_cpu_loras`` adapters kept in memory (LRU; None: ``max_loras``).
+    ``modules``: (name, path) of the adapters the engine registers as it starts (``--lora-modules``),
+    so that an engine in another process starts with them, or fails naming the bad file."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -371,7 +374,8 @@ def lora_from_args(args) -> LoRAConfig | None:
         if getattr(args, "lora_modules", None):
             raise ValueError("--lora-modules needs --enable-lora")
         return None
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                      tuple(parse_lora_modules(args.lora_modules)))
 
 
 def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:

@@ -343,7 +343,7 @@ class EngineClient:
 
 # what an engine runs for :meth:`EngineClient.utility` (a name crosses a process boundary, a
 # function does not)
-UTILITIES = frozenset({"reset_prefix_cache", "embed"})
+UTILITIES = frozenset({"reset_prefix_cache", "embed", "add_lora", "remove_lora"})
 
 
 class AsyncLLMEngine(EngineClient):

@@ -46,7 +46,7 @@ _ERRORS = {cls.__name__: cls for cls in (
 _PREFIX_KEYS_PER_CORE = 1 << 16
 # statistics that are not summed over cores
 _MEAN_STATS = ("kv_cache_usage",)
-_SAME_STATS = ("kv_cache_bytes_per_token",)
+_SAME_STATS = ("kv_cache_bytes_per_token", "max_lora")
 
 
 @dataclasses.dataclass
@@ -231,6 +231,11 @@ class EngineCoreClient(EngineClient):
                 elif isinstance(value, list):  # per position: summed position by position
                     mine = total[key]
                     total[key] = [a + b for a, b in itertools.zip_longest(mine, value, fillvalue=0)]
+                elif isinstance(value, dict):  # per adapter: summed adapter by adapter
+                    mine = total[key]
+                    total[key] = {k: mine.get(k, 0) + value.get(k, 0) for k in {*mine, *value}}
+                elif isinstance(value, str):  # the adapters in use, comma-separated
+                    total[key] = ",".join(sorted({*total[key].split(","), *value.split(",")} - {""}))
                 else:
                     total[key] += value
         for key in _MEAN_STATS:
@@ -366,13 +371,13 @@ class EngineCoreClient(EngineClient):
             else:
                 self._forget(rid)
                 fut.set_exception(ValueError(error) if is_value_error else RuntimeError(error))
-        for call_id, result, error in m.replies:
+        for call_id, result, error, is_value_error in m.replies:
             fut = self._calls.pop(call_id, None)
             if fut is not None and fut.set_running_or_notify_cancel():
                 if error is None:
                     fut.set_result(result)
                 else:
-                    fut.set_exception(RuntimeError(error))
+                    fut.set_exception(ValueError(error) if is_value_error else RuntimeError(error))
         if m.stats is not None:
             core.snapshot = m.stats
         core.pending_adds -= m.adds_taken

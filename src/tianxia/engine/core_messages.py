@@ -39,14 +39,15 @@ class Outputs(msgspec.Struct, tag=True, omit_defaults=True):
     errors: list[tuple[str, str, str]] = []
     # request id, error message (None: accepted), whether it is a ValueError (a 400)
     acks: list[tuple[str, str | None, bool]] = []
-    # call id, result, error message
-    replies: list[tuple[int, Any, str | None]] = []
+    # call id, result, error message, whether it is a ValueError (a 400)
+    replies: list[tuple[int, Any, str | None, bool]] = []
     steps: list[StepStats] = []
     first_tokens: list[float] = []
     inter_tokens: list[tuple[float, int]] = []
     done: list[RequestStats] = []
     # counters; per-position ones as lists (speculative decoding's accepted tokens per position)
-    stats: dict[str, float | list[float]] | None = None
+    # and LoRA's: the adapters in use (a comma-separated text), requests per adapter
+    stats: dict[str, int | float | list[float] | str | dict[str, int]] | None = None
     adds_taken: int = 0
     max_step_seqs: int = 0
 

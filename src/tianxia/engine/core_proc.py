@@ -132,8 +132,10 @@ class EngineCore(AsyncLLMEngine):
 
     def _reply(self, call_id: int, fut: concurrent.futures.Future) -> None:
         e = fut.exception()
+        # a ValueError (a bad adapter) keeps its plain message: the client raises it as one (a 400)
         self._replies.append((call_id, None if e is not None else fut.result(),
-                              None if e is None else f"{type(e).__name__}: {e}"))
+                              None if e is None else str(e) if isinstance(e, ValueError)
+                              else f"{type(e).__name__}: {e}", isinstance(e, ValueError)))
 
     # --- to the output socket (engine thread) -------------------------------------------------
 

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
     from tianxia.config import EngineConfig, ModelConfig
     from tianxia.engine.llm_engine import LLMEngine
-    from tianxia.engine.lora_manager import LoRAManager
 
 
 @dataclass
@@ -28,16 +27,17 @@ class EngineInfo:
     max_model_len: int
     num_blocks: int
     num_usable_blocks: int
-    # the engine's LoRA adapter registry, where the engine runs on a thread of this process
-    # (--enable-lora keeps it there); None otherwise
-    lora_manager: LoRAManager | None = None
+    # the LoRA adapters served, name -> path (None: LoRA is off). The API side's own copy: it
+    # resolves a request's adapter here and keeps it in step with the runtime loads it sends
+    # to the engine (every core of a data-parallel model registers each adapter)
+    lora_adapters: dict[str, str] | None = None
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         return cls(engine.tokenizer, engine.chat_template, Path(engine.model_path),
                    engine.model_config, engine.config, engine.max_model_len,
                    engine.block_manager.num_blocks, engine.block_manager.num_usable_blocks,
-                   engine.lora_manager)
+                   None if engine.lora_manager is None else dict(engine.lora_manager.paths))
 
     def facts(self) -> dict[str, Any]:
         """The plain-data part, which an engine core process sends when it is ready."""
@@ -47,6 +47,7 @@ class EngineInfo:
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
             "num_usable_blocks": self.num_usable_blocks,
+            "lora_adapters": self.lora_adapters,
         }
 
     @classmethod
@@ -58,7 +59,7 @@ class EngineInfo:
         path = Path(facts["model_path"])
         return cls(load_tokenizer(path, is_gguf=path.is_file()), facts["chat_template"], path,
                    load_model_config(str(path)), config, facts["max_model_len"],
-                   facts["num_blocks"], facts["num_usable_blocks"])
+                   facts["num_blocks"], facts["num_usable_blocks"], facts["lora_adapters"])
 
     def cache_info(self) -> dict[str, str]:
         """The KV cache's settings as ``/metrics`` labels them (vLLM's ``cache_config_info``)."""

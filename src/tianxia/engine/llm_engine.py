@@ -289,8 +289,14 @@ class LLMEngine:
 
             self.lora_manager = LoRAManager(loaded.model, config.lora)
             self.runner.lora = self.lora_manager.state
+            # a fused decode step that adds the adapters' deltas itself keeps their steps
+            attach = getattr(self.runner.decode_step, "attach_lora", None)
+            self.runner.fused_lora = (self.runner.graph_runner is None and attach is not None
+                                      and attach(self.lora_manager.state))
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager,
                                    max_loras=config.lora.max_loras if config.lora else 0)
+        for name, path in config.lora.modules if config.lora else ():
+            self.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
         self.requests: dict[str, list[Sequence]] = {}
         # request id -> why, for the requests failed in the last step
         self.failed: dict[str, RequestFailure] = {}

@@ -103,8 +103,8 @@ class LoRAManager:
 
     def _read(self, name: str, sources: tuple[tuple[str, float], ...]) -> LoRAAdapter:
         adapter = stack_adapters(name, [self._read_one(name, path, scale) for path, scale in sources])
-        for module, (a, b) in adapter.weights.items():
-            adapter.weights[module] = (a.to(self.device), b.to(self.device))
+        for module, parts in adapter.weights.items():
+            adapter.weights[module] = [p.to(self.device) for p in parts]
         return adapter
 
     def _read_one(self, name: str, path: str, scale: float) -> LoRAAdapter:
@@ -118,7 +118,7 @@ class LoRAManager:
 
     def _hold(self, slot: int, adapter: LoRAAdapter, pinned: set[int]) -> None:
         self._resident[slot] = adapter
-        self.state.slots[slot] = adapter
+        self.state.put(slot, adapter)
         # evict the least recently used adapters no sequence needs, down to the capacity; the
         # pinned ones may keep it above (they are dropped once their sequences end and another
         # adapter comes in)
@@ -127,7 +127,7 @@ class LoRAManager:
                 break
             if old != slot and old not in pinned:
                 del self._resident[old]
-                del self.state.slots[old]
+                self.state.drop(old)
 
 
 __all__ = ["LoRAError", "LoRAManager", "LoRARequest", "LoRAUnknownError"]

@@ -99,6 +99,7 @@ class ModelRunner:
         self.decode_step = None  # the family's fused decode step (setup_decode), or None
         self.route_counts: Counter[str] = Counter()  # steps per route: graph, fused, eager
         self.lora: LoRAState | None = None  # the adapters' grouped product (--enable-lora)
+        self.fused_lora = False  # whether the fused decode step adds the adapters' deltas itself
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -173,12 +174,14 @@ class ModelRunner:
                 rows.extend(range(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
                 seqs.extend([seq] * n)
         row_slots = self._lora_rows(order)
-        # rows with an adapter take the module forward, whose hooks add the adapters' deltas
-        graph_logits = None if row_slots else self._decode_logits(order, ids, pos, meta)
         keep = self._rows_to_keep(order, rows, ids.shape[0])
         if row_slots:
             self.lora.begin_step(row_slots, keep)
         try:
+            # rows with an adapter take the module forward, whose hooks add the adapters'
+            # deltas, unless the fused decode step takes them
+            graph_logits = (self._decode_logits(order, ids, pos, meta)
+                            if not row_slots or self.fused_lora else None)
             if graph_logits is not None:
                 hidden = None
             elif keep is not None:

@@ -2,18 +2,22 @@
 them to one batch.
 
 An adapter is read from a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)
-into one pair of matrices per fused module of the base (``qkv_proj``, ``o_proj``,
-``gate_up_proj``, ``down_proj``): the parts' ``A`` stacked (``[R, in]``) and their ``B`` as one
-block-diagonal ``[out, R]`` matrix with the scaling folded in, so a fused module's delta is two
-products whatever subset of its parts the adapter targets. (``loader/gguf_lora.py`` reads
-llama.cpp's GGUF adapters into the same form through :func:`build_adapter`.)
+into, per fused module of the base (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``),
+the parts it targets: each its own ``A`` ``[r, in]``, its ``B`` ``[rows, r]`` with the scaling
+folded in, and the first output row of the fused module it adds to. Only what the adapter trained
+is stored (no zero blocks for the parts it leaves alone), in float32: the row-invariant float
+kernel reads float32, and a decode step reads every adapter matrix of its batch whole, like the
+weights. (``loader/gguf_lora.py`` reads llama.cpp's GGUF adapters into the same form through
+:func:`build_adapter`.)
 
 A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): the runner orders
 them by adapter, each adapter present multiplies its own run of rows in place, and the base rows
 cost nothing. The products go through
 :func:`~tianxia.quant.cpu_kernels.dense_linear` on CPU, which computes each row alone, so a row's
-delta does not depend on what else is in the batch. The deltas are added by forward hooks on the
-fused modules, so the model code is unchanged.
+delta does not depend on what else is in the batch. On the module path the deltas are added by
+forward hooks on the fused modules, so the model code is unchanged; a family's fused decode step
+may take them instead (it is told of every adapter placed in or dropped from a slot, and reads
+the step's runs from :meth:`LoRAState.runs`), with the same products in the same order.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -43,18 +48,32 @@ class LoRATarget:
     in_features: int
 
 
+@dataclass(frozen=True)
+class LoRAPart:
+    """One targeted part of a fused module: its delta ``(x @ a.T) @ b.T`` is added to the
+    module's output rows ``row0 : row0 + b.shape[0]``."""
+
+    row0: int
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [rows, r], scaled
+
+    def to(self, device: torch.device) -> LoRAPart:
+        return LoRAPart(self.row0, self.a.to(device), self.b.to(device))
+
+
 @dataclass
 class LoRAAdapter:
-    """One adapter's matrices, per fused module name: (A ``[R, in]``, scaled B ``[out, R]``)."""
+    """One adapter's parts, per fused module name."""
 
     name: str
     path: str
     rank: int
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    weights: dict[str, list[LoRAPart]]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(t.numel() * t.element_size() for parts in self.weights.values() for p in parts
+                   for t in (p.a, p.b))
 
 
 # PEFT keys: "base_model.model.<module>.lora_A[.<adapter name>].weight"
@@ -151,25 +170,21 @@ def _owners(targets: dict[str, LoRATarget]) -> dict[str, LoRATarget]:
 
 def stack_adapters(name: str, adapters: list[LoRAAdapter]) -> LoRAAdapter:
     """One adapter whose delta is the sum of ``adapters``' (llama.cpp applies every ``--lora``
-    at once): their A rows and B columns side by side, a rank-sum adapter."""
+    at once): every adapter's parts, one after the other."""
     if len(adapters) == 1:
         return LoRAAdapter(name, adapters[0].path, adapters[0].rank, adapters[0].weights)
-    weights = {}
-    for module in dict.fromkeys(m for a in adapters for m in a.weights):
-        parts = [a.weights[module] for a in adapters if module in a.weights]
-        weights[module] = (torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], dim=1))
+    weights: dict[str, list[LoRAPart]] = {}
+    for a in adapters:
+        for module, parts in a.weights.items():
+            weights.setdefault(module, []).extend(parts)
     return LoRAAdapter(name, adapters[0].path, sum(a.rank for a in adapters), weights)
 
 
 def _fuse(target: LoRATarget, pairs: dict[str, dict[str, torch.Tensor]], rank: int, scaling: float,
-          file: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fused module's (A, B): the targeted parts' A stacked, their B block-diagonal and scaled."""
-    present = [(part, rows) for part, rows in target.parts if part in pairs]
-    out = sum(rows for _, rows in target.parts)
-    a = torch.zeros(rank * len(present), target.in_features)
-    b = torch.zeros(out, rank * len(present))
+          file: str | Path) -> list[LoRAPart]:
+    """A fused module's targeted parts, checked against the base's shapes, B scaled."""
+    parts = []
     row = 0
-    col = 0
     for part, rows in target.parts:
         if part in pairs:
             ab = pairs[part]
@@ -180,11 +195,9 @@ def _fuse(target: LoRATarget, pairs: dict[str, dict[str, torch.Tensor]], rank: i
                 raise LoRAError(
                     f"{file}: {part} has lora_A {tuple(ab['A'].shape)} and lora_B {tuple(ab['B'].shape)}, "
                     f"this base needs {want_a} and {want_b} (an adapter of another base model?)")
-            a[col : col + rank] = ab["A"].float()
-            b[row : row + rows, col : col + rank] = ab["B"].float() * scaling
-            col += rank
+            parts.append(LoRAPart(row, ab["A"].float().contiguous(), (ab["B"].float() * scaling).contiguous()))
         row += rows
-    return a, b
+    return parts
 
 
 class LoRAState:
@@ -194,11 +207,24 @@ class LoRAState:
     def __init__(self, model: nn.Module, targets: dict[str, LoRATarget]) -> None:
         self.targets = targets
         self.slots: dict[int, LoRAAdapter] = {}
+        # told of each change of a slot (the adapter, or None when dropped): a fused decode step
+        # that keeps its own view of the adapters
+        self.listeners: list[Callable[[int, LoRAAdapter | None], None]] = []
         # per step: the (slot, first row, end row) runs of adapter rows, for every row count the
         # step sees (the whole batch, and the kept rows of the last layer's MLP)
         self._groups: dict[int, list[tuple[int, int, int]]] = {}
         for name in targets:
             model.get_submodule(name).register_forward_hook(self._hook(name))
+
+    def put(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.slots[slot] = adapter
+        for listener in self.listeners:
+            listener(slot, adapter)
+
+    def drop(self, slot: int) -> None:
+        del self.slots[slot]
+        for listener in self.listeners:
+            listener(slot, None)
 
     def begin_step(self, row_slots: list[int], keep: list[int] | None) -> None:
         """Set the adapter slot of every row of the step (-1: the base model). The runner orders
@@ -211,6 +237,10 @@ class LoRAState:
     def end_step(self) -> None:
         self._groups = {}
 
+    def runs(self, num_rows: int) -> list[tuple[int, int, int]]:
+        """The (slot, start, end) runs of a step of ``num_rows`` rows (none outside a step)."""
+        return self._groups.get(num_rows, [])
+
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             groups = self._groups.get(output.shape[0]) if self._groups else None
@@ -218,10 +248,10 @@ class LoRAState:
                 return output
             x = inputs[0]
             for slot, start, end in groups:
-                ab = self.slots[slot].weights.get(name)
-                if ab is not None:
-                    a, b = ab
-                    output[start:end] += dense_linear(dense_linear(x[start:end].float(), a), b).to(output.dtype)
+                rows = x[start:end].float()
+                for p in self.slots[slot].weights.get(name, ()):
+                    delta = dense_linear(dense_linear(rows, p.a), p.b)
+                    output[start:end, p.row0 : p.row0 + p.b.shape[0]] += delta.to(output.dtype)
             return output
 
         return hook

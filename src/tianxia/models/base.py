@@ -31,6 +31,10 @@ class DecodeStep(Protocol):
     Padding rows (a CUDA-graph batch rounded up) have slot -1 and length 0: nothing is written and
     their logits are ignored. ``meta.num_splits`` fixes the decode attention's split count when a
     graph is captured (its grid must not depend on the context lengths).
+
+    A step may also take rows with LoRA adapters: it then has ``attach_lora(state)``
+    (:class:`~tianxia.layers.lora.LoRAState`), which returns whether it adds the deltas of the
+    step's adapter runs itself (else the runner sends those steps to the module forward).
     """
 
     #: largest batch the step takes (None: any); larger decode batches take the module forward

@@ -18,6 +18,7 @@ from torch import nn
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
+from tianxia.layers.lora import LoRAAdapter, LoRAState
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.quant import cpu_kernels
 
@@ -87,16 +88,21 @@ class LlamaCpuStep:
         attn, mlp = first.self_attn, first.mlp
         offset = 1.0 if isinstance(inner.norm, GemmaRMSNorm) else 0.0
         self.rotary = inner.rotary_embs
+        self.lora: LoRAState | None = None
+        # each projection the decoder runs -> (layer, projection index), for LoRA targets
+        self._proj_index: dict[int, tuple[int, int]] = {}
+        self._lora_modules: dict[str, int] = {}  # LoRA target name -> id of its projection
         self.decoder = ext.Decoder(
             inner.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
             mlp.down_proj.in_features, inner.norm.eps, offset, attn.scale, attn.softcap or 0.0,
             first.sandwich, isinstance(mlp.act, ActAndMul), attn.rotary_emb.interleaved, int8,
             inner.norm.weight.data.float(),
         )
-        for layer, cache in zip(inner.layers, kv_caches):
+        for li, (layer, cache) in enumerate(zip(inner.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             linears, formats = [], []
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for pi, proj in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                self._proj_index[id(proj)] = (li, pi)
                 tensors, fmt = _linear_args(proj)
                 linears += tensors
                 formats += fmt
@@ -108,6 +114,31 @@ class LlamaCpuStep:
             self.decoder.add_layer(linears, formats, norms, cache, self.rotary.index(attn.rotary_emb),
                                    attn.sliding_window or 0)
 
+    def attach_lora(self, state: LoRAState) -> bool:
+        """Take the rows with LoRA adapters too (the decoder adds their deltas after each
+        projection); False where the adapters target modules the decoder does not run."""
+        modules = {name: id(self.lm.get_submodule(name)) for name in state.targets}
+        if not all(key in self._proj_index for key in modules.values()):
+            return False
+        self.lora = state
+        self._lora_modules = modules
+        for slot, adapter in state.slots.items():
+            self._set_lora(slot, adapter)
+        state.listeners.append(self._set_lora)
+        return True
+
+    def _set_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        if adapter is None:
+            self.decoder.drop_lora(slot)
+            return
+        tensors, index = [], []
+        for module, parts in adapter.weights.items():
+            layer, proj = self._proj_index[self._lora_modules[module]]
+            for p in parts:
+                tensors += [p.a, p.b]
+                index += [layer, proj, p.row0]
+        self.decoder.set_lora(slot, tensors, index)
+
     def set_variant(self, name: str) -> None:
         raise ValueError(f"the CPU decode step has no variant {name!r}")
 
@@ -116,6 +147,8 @@ class LlamaCpuStep:
         last = int(positions.max())
         for rotary in self.rotary:
             rotary.ensure_positions(last)
+        runs = self.lora.runs(hidden.shape[0]) if self.lora is not None else []
         hidden = self.decoder.forward(hidden, positions, meta.slot_mapping, meta.block_tables,
-                                      meta.seq_lens_tensor, [r.cos_sin for r in self.rotary])
+                                      meta.seq_lens_tensor, [r.cos_sin for r in self.rotary],
+                                      torch.tensor(runs, dtype=torch.long) if runs else _EMPTY)
         return self.lm.compute_logits(hidden)

@@ -27,7 +27,6 @@ from tianxia.config import (
     add_speculative_args,
     kv_cache_dtype_from_args,
     lora_from_args,
-    parse_lora_modules,
     parse_size,
     speculative_from_args,
 )
@@ -462,25 +461,19 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
         raise ValueError("--data-parallel-size must be at least 1")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size needs --engine-core process")
-    if config.lora is not None and args.data_parallel_size > 1:
-        raise ValueError("--enable-lora serves its adapters from one engine: it does not combine "
-                         "with --data-parallel-size")
     tensor_parallel = config.tensor_parallel_size > 1
     if tensor_parallel and args.data_parallel_size > 1:
         raise ValueError("--tensor-parallel-size does not combine with --data-parallel-size yet")
-    if args.engine_core == "thread" or config.lora is not None or tensor_parallel:
+    if args.engine_core == "thread" or tensor_parallel:
         from tianxia.engine.async_engine import build_off_main_thread
         from tianxia.engine.llm_engine import LLMEngine
 
         if args.engine_core == "process":
-            # LoRA: the adapter registry and the runtime load/unload live beside the engine;
-            # tensor parallelism: the engine starts its worker ranks, which a daemonic core
-            # process may not
-            logger.info("%s: the engine runs on a thread of the server (--engine-core thread)",
-                        "--enable-lora" if config.lora is not None else "--tensor-parallel-size")
+            # the engine starts its tensor-parallel worker ranks, which a daemonic core process
+            # may not
+            logger.info("--tensor-parallel-size: the engine runs on a thread of the server "
+                        "(--engine-core thread)")
         engine = build_off_main_thread(lambda: LLMEngine(config))
-        for name, path in parse_lora_modules(args.lora_modules):
-            engine.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
         return _async_engine(args, engine, on_dead)
     from tianxia.engine.core_client import EngineCoreClient
 

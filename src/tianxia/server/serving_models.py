@@ -3,12 +3,13 @@ it serves (each a model whose ``parent`` is the base), and their cards."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
-from tianxia.engine.async_engine import AsyncLLMEngine
+from tianxia.engine.async_engine import EngineClient
 from tianxia.engine.engine_info import EngineInfo
-from tianxia.engine.lora_manager import LoRAError, LoRARequest
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.server.errors import APIError
 
 
@@ -20,11 +21,11 @@ class ServingModels:
         self.names = list(names)
         self.name = self.names[0]
         self.created = int(time.time())
+        self._loading: set[str] = set()
 
     def adapters(self) -> dict[str, str]:
-        """The LoRA adapters served (name -> path); read from the engine thread's registry."""
-        manager = self.llm.lora_manager
-        return {} if manager is None else dict(manager.paths)
+        """The LoRA adapters served (name -> path)."""
+        return dict(self.llm.lora_adapters or {})
 
     def resolve(self, requested: str | None) -> str:
         """The reported name for a request's ``model`` (any served name or adapter, or none);
@@ -38,8 +39,11 @@ class ServingModels:
         )
 
     def lora_request(self, model: str) -> LoRARequest | None:
-        """The adapter a request's resolved ``model`` names, or None for the base."""
-        return None if model in self.names else LoRARequest(model)
+        """The adapter a request's resolved ``model`` names, or None for the base. It carries the
+        path, so that an engine core which has not loaded the adapter yet loads it."""
+        if model in self.names:
+            return None
+        return LoRARequest(model, lora_path=self.adapters().get(model, ""))
 
     def card(self, name: str, adapter_path: str | None = None) -> dict[str, Any]:
         return {
@@ -69,24 +73,38 @@ class ServingModels:
 
     # --- runtime adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter) -----------
 
-    async def load_lora_adapter(self, engine: AsyncLLMEngine, data: dict[str, Any]) -> str:
+    async def load_lora_adapter(self, engine: EngineClient, data: dict[str, Any]) -> str:
         name, path = _text_field(data, "lora_name"), _text_field(data, "lora_path")
-        if self.llm.lora_manager is None:
+        adapters = self.llm.lora_adapters
+        if adapters is None:
             raise APIError(400, "this server serves no LoRA adapters: start it with --enable-lora")
-        if name in self.adapters() or name in self.names:
+        if name in adapters or name in self.names or name in self._loading:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self._loading.add(name)  # a second load of the name while this one runs is refused
         try:
-            # on the engine thread, between steps: the adapter registry is the engine's
-            await engine.call(lambda llm: llm.add_lora(name, path))
-        except LoRAError as e:
-            raise APIError(400, str(e), param="lora_path") from None
+            # every engine core loads it (and checks it against the model)
+            await engine.utility("add_lora", name, path)
+        except Exception as e:
+            # a core that did load it forgets it again, so the cores agree
+            with contextlib.suppress(Exception):
+                await engine.utility("remove_lora", name)
+            if isinstance(e, ValueError):  # the file is bad for this model: the client's fault
+                raise APIError(400, str(e), param="lora_path") from None
+            raise
+        finally:
+            self._loading.discard(name)
+        adapters[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload_lora_adapter(self, engine: AsyncLLMEngine, data: dict[str, Any]) -> str:
+    async def unload_lora_adapter(self, engine: EngineClient, data: dict[str, Any]) -> str:
         name = _text_field(data, "lora_name")
-        if not await engine.call(lambda llm: llm.remove_lora(name)):
+        adapters = self.llm.lora_adapters
+        if adapters is None or name not in adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                            code="not_found")
+        # gone for new requests at once; the ones running finish with it
+        del adapters[name]
+        await engine.utility("remove_lora", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 

@@ -6,9 +6,15 @@
 // bias, q/k norms, sandwich norms, Gemma's offset norms, SiLU or tanh-GELU gating, partial and
 // interleaved RoPE, sliding windows, attention soft-capping), for steps of single-token
 // decodes with a float32, float16 or Q8_0/Q4_0 cache; anything else takes the module path.
+//
+// LoRA adapters (layers/lora.py) are registered by slot; a step's rows come in runs of one slot,
+// and after each projection every run adds its adapter's parts, (x A^T) B^T on its rows, with the
+// float kernel the module path's dense_linear uses, so both paths give the same bits.
 #include <torch/extension.h>
 
+#include <array>
 #include <cstring>
+#include <unordered_map>
 
 #include "kernels.h"
 #include "kv_blocks.h"
@@ -30,6 +36,16 @@ struct Linear {
   const float* b = nullptr;
   int64_t N = 0;
 };
+
+// one targeted part of a projection: its delta is added to output rows [row0, row0 + b.N)
+struct LoraPart {
+  at::Tensor a_t, b_t;
+  Packed a, b;  // [r, K], [rows, r] float32
+  int64_t row0 = 0;
+};
+
+// an adapter: per layer, per projection (qkv, o, gate_up, down), its parts
+using Lora = std::vector<std::array<std::vector<LoraPart>, 4>>;
 
 enum Norm { kInput, kPostAttention, kPreFeedforward, kPostFeedforward, kQ, kK, kNumNorms };
 
@@ -111,9 +127,35 @@ class Decoder {
     layers_.push_back(std::move(l));
   }
 
-  // hidden: [M, H] embedded tokens, one per sequence; returns the final-normed hidden states
+  // an adapter in `slot` (replacing what was there): tensors (a, b) per part, index (layer,
+  // projection, first output row) per part
+  void set_lora(int64_t slot, std::vector<at::Tensor> tensors, std::vector<int64_t> index) {
+    TORCH_CHECK(tensors.size() * 3 == index.size() * 2, "bad adapter");
+    const int64_t in[4] = {H_, Hq_ * D_, H_, I_}, out[4] = {(Hq_ + 2 * Hk_) * D_, H_, 2 * I_, H_};
+    Lora lora(layers_.size());
+    for (size_t i = 0; i < tensors.size() / 2; ++i) {
+      const int64_t layer = index[3 * i], proj = index[3 * i + 1];
+      TORCH_CHECK(layer >= 0 && layer < (int64_t)layers_.size() && proj >= 0 && proj < 4, "bad adapter part");
+      LoraPart p;
+      p.a_t = tensors[2 * i].contiguous();
+      p.b_t = tensors[2 * i + 1].contiguous();
+      TORCH_CHECK(p.a_t.scalar_type() == at::kFloat && p.b_t.scalar_type() == at::kFloat, "adapters are float32");
+      p.a = unpack(p.a_t, at::Tensor(), at::Tensor(), 32, 0);
+      p.b = unpack(p.b_t, at::Tensor(), at::Tensor(), 32, 0);
+      p.row0 = index[3 * i + 2];
+      TORCH_CHECK(p.a.K == in[proj] && p.b.K == p.a.N && p.row0 >= 0 && p.row0 + p.b.N <= out[proj],
+                  "adapter part of layer ", layer, " projection ", proj, " has the wrong shape");
+      lora[layer][proj].push_back(std::move(p));
+    }
+    lora_[slot] = std::move(lora);
+  }
+
+  void drop_lora(int64_t slot) { lora_.erase(slot); }
+
+  // hidden: [M, H] embedded tokens, one per sequence; returns the final-normed hidden states.
+  // lora_runs: [G, 3] (slot, first row, end row) of the rows with an adapter (may be empty)
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
-                     at::Tensor seq_lens, std::vector<at::Tensor> rope_tables) {
+                     at::Tensor seq_lens, std::vector<at::Tensor> rope_tables, at::Tensor lora_runs) {
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H_ && hidden.scalar_type() == at::kFloat, "bad hidden");
     hidden = hidden.contiguous();
     positions = positions.to(at::kLong).contiguous();
@@ -137,6 +179,18 @@ class Decoder {
     gu_.resize(M * 2 * I_);
     act_.resize(M * I_);
     const int64_t* slot = slots.data_ptr<int64_t>();
+    runs_.clear();
+    if (lora_runs.numel() > 0) {
+      lora_runs = lora_runs.to(at::kLong).contiguous();
+      TORCH_CHECK(lora_runs.dim() == 2 && lora_runs.size(1) == 3, "bad LoRA runs");
+      const int64_t* g = lora_runs.data_ptr<int64_t>();
+      for (int64_t i = 0; i < lora_runs.size(0); ++i, g += 3) {
+        auto it = lora_.find(g[0]);
+        TORCH_CHECK(it != lora_.end(), "no LoRA adapter in slot ", g[0]);
+        TORCH_CHECK(0 <= g[1] && g[1] < g[2] && g[2] <= M, "bad LoRA run");
+        runs_.push_back({&it->second, g[1], g[2]});
+      }
+    }
     float* h = h_.data();
     float* r = res_.data();
     float* n = n_.data();
@@ -149,6 +203,7 @@ class Decoder {
         rms_norm_rows(h, r, r, n, L.norms[kInput].data_ptr<float>(), M, H_, eps_, offset_);
       }
       linear(L.qkv, n, M, qkv_.data());
+      add_lora(li, 0, n, H_, qkv_.data(), QKV);
       if (L.norms[kQ].defined()) {
         for (int64_t t = 0; t < M; ++t) {
           float* row = qkv_.data() + t * QKV;
@@ -175,6 +230,7 @@ class Decoder {
                          M);
       }
       linear(L.o, attn_.data(), M, h);
+      add_lora(li, 1, attn_.data(), Qs, h, H_);
       if (!sandwich_) {
         rms_norm_rows(h, r, r, n, L.norms[kPostAttention].data_ptr<float>(), M, H_, eps_, offset_);
       } else {
@@ -182,8 +238,10 @@ class Decoder {
         rms_norm_rows(n, r, r, n, L.norms[kPreFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
       }
       linear(L.gate_up, n, M, gu_.data());
+      add_lora(li, 2, n, H_, gu_.data(), 2 * I_);
       gated_act_rows(gu_.data(), act_.data(), M, I_, gelu_);
       linear(L.down, act_.data(), M, h);
+      add_lora(li, 3, act_.data(), I_, h, H_);
       if (sandwich_)
         rms_norm_rows(h, nullptr, nullptr, h, L.norms[kPostFeedforward].data_ptr<float>(), M, H_, eps_, offset_);
     }
@@ -223,12 +281,38 @@ class Decoder {
     }
   }
 
+  // each run's adapter parts of projection `proj` of layer `li`: out[rows] += (x A^T) B^T, x and
+  // out of K and N columns
+  void add_lora(size_t li, int proj, const float* x, int64_t K, float* out, int64_t N) {
+    for (const Run& run : runs_) {
+      const int64_t m = run.end - run.start;
+      for (const LoraPart& p : (*run.lora)[li][proj]) {
+        xa_.resize(m * p.a.N);
+        delta_.resize(m * p.b.N);
+        product_rows(p.a, x + run.start * K, m, false, nullptr, xa_.data(), a_);
+        product_rows(p.b, xa_.data(), m, false, nullptr, delta_.data(), a_);
+        for (int64_t i = 0; i < m; ++i) {
+          float* o = out + (run.start + i) * N + p.row0;
+          const float* d = delta_.data() + i * p.b.N;
+          for (int64_t j = 0; j < p.b.N; ++j) o[j] += d[j];
+        }
+      }
+    }
+  }
+
+  struct Run {
+    const Lora* lora;
+    int64_t start, end;
+  };
+
   int64_t H_, Hq_, Hk_, D_, I_;
   float eps_, offset_, scale_, softcap_;
   bool sandwich_, gelu_, interleaved_, int8_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  std::vector<float> h_, res_, n_, qkv_, attn_, gu_, act_, part_;
+  std::vector<float> h_, res_, n_, qkv_, attn_, gu_, act_, part_, xa_, delta_;
+  std::unordered_map<int64_t, Lora> lora_;  // by slot
+  std::vector<Run> runs_;  // this step's
   Activations a_;
 };
 
@@ -239,6 +323,8 @@ void bind_decoder(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, double, bool, bool,
                           bool, bool, at::Tensor>())
       .def("add_layer", &tianxia::Decoder::add_layer)
+      .def("set_lora", &tianxia::Decoder::set_lora)
+      .def("drop_lora", &tianxia::Decoder::drop_lora)
       .def("forward", &tianxia::Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &tianxia::Decoder::num_layers);
 }
