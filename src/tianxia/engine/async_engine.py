@@ -374,7 +374,6 @@ class EngineClient:
                 stream.finished = True
             stream.queue.put_nowait(item)
 
-
     def _stop_in_engine(self, rid: str, reason: str = "abort", num_tokens: int | None = None) -> None:
         """Abort a request the API side ended; ``reason`` and ``num_tokens`` (the tokens its
         output kept) are what the engine's request statistics record."""

@@ -51,17 +51,13 @@ _SAME_STATS = ("kv_cache_bytes_per_token",)
 
 @dataclasses.dataclass(frozen=True)
 class CoreEndpoints:
-    """Where API process ``client`` of ``num_clients`` finds started engine cores: plain data,
-    handed to each API process (``--api-server-count``)."""
+    """Where API processes find started engine cores: plain data, handed to each API process
+    (``--api-server-count``)."""
 
     inputs: list[str]  # per core: its request socket (the core binds it)
     outputs: list[list[str]]  # per core, per API process: where its outputs go (the API binds it)
     pids: list[int]
     facts: dict[str, Any]  # what the first core said when ready (EngineInfo.facts)
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.outputs[0])
 
 
 class EngineCores:
