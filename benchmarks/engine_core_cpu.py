@@ -8,7 +8,9 @@ the offline decode step: one script, one machine, one run.
   concurrency 1, sequential streamed requests of the same shape, TPOT =
   (last token - first token) / (tokens - 1), median over requests; at concurrency 16, 32 streamed
   requests (128 in / 64 out), output tokens/s over the wall time; then, idle, the share of a
-  core that the server and its engine core use over 10 s.
+  core that the server and its engine core use over 10 s;
+- ``--modes`` picks the served setups: ``thread``, ``process`` and ``api2`` (``--engine-core
+  process --api-server-count 2``: two API processes in front of the one core).
 
     python benchmarks/engine_core_cpu.py --threads 2 --out benchmarks/results/engine_core/cpu.json
 """
@@ -118,17 +120,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--modes", default="thread,process", help="of thread, process, api2")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    flags = {"thread": ["--engine-core", "thread"], "process": ["--engine-core", "process"],
+             "api2": ["--engine-core", "process", "--api-server-count", "2"]}
     offline = json.loads(subprocess.run(
         [sys.executable, "-c", OFFLINE, args.model, str(args.threads)], check=True,
         capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()[-1])
     print("offline", offline, flush=True)
     order = []
     for i in range(args.rounds):
-        order += ["thread", "process"] if i % 2 == 0 else ["process", "thread"]
-    runs: dict[str, list[dict]] = {"thread": [], "process": []}
+        order += modes if i % 2 == 0 else modes[::-1]
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for mode in order:
-        srv = ServerProcess([args.model, "--threads", str(args.threads), "--engine-core", mode,
+        srv = ServerProcess([args.model, "--threads", str(args.threads), *flags[mode],
                              "--max-model-len", "512", "--max-num-seqs", "16",
                              "--kv-cache-memory", "256MiB", "--disable-log-stats",
                              "--disable-access-log"])

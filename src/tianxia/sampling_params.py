@@ -154,8 +154,8 @@ class SamplingParams:
         )):
             fail("bad_words", f"a list of at most {MAX_STOP} non-empty strings of at most "
                  f"{MAX_STOP_LEN} characters", self.bad_words)
-        if not self.detokenize and (self._stop or self.bad_words):
-            fail("detokenize", "True when stop strings or bad_words are used", self.detokenize)
+        if not self.detokenize and self._stop:
+            fail("detokenize", "True when stop strings are used", self.detokenize)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the user must exist in the model's vocabulary."""

@@ -13,8 +13,11 @@ concurrent requests share the same forward passes (continuous batching).
     async for out in engine.generate(prompt, SamplingParams(max_tokens=32), "req-1"):
         print(out.outputs[0].text)
 
-``RequestOutput`` objects are cumulative snapshots (each holds the whole text so far), so a slow
-consumer may skip intermediate ones: :meth:`generate` hands out the newest output queued.
+The engine thread posts only what each step added (:class:`RequestDelta`: new token ids,
+logprobs, finish reasons); the event-loop side turns them into text and cumulative
+``RequestOutput`` snapshots (:class:`OutputProcessor`: detokenization and stop strings), as it
+does for engine core processes. A snapshot holds the whole text so far, so a slow consumer may
+skip intermediate ones: :meth:`generate` hands out the newest output queued.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tianxia.engine import faults
 from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import LLMEngine, PromptType
 from tianxia.engine.lora_manager import LoRARequest
+from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, RequestDelta, engine_params
 from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
 
@@ -196,6 +200,7 @@ class EngineClient:
         self.max_waiting_requests = max_waiting_requests
         self.listener = stats_listener or StatsListener()
         self._streams: dict[str, _Stream] = {}  # event-loop side only
+        self._processor: OutputProcessor | None = None  # built from ``info`` on the first request
         # adds sent but not yet taken by the engine: the event loop counts them up, the engine
         # side counts them down in the same critical section that publishes the snapshot that
         # now includes them, so a request is never counted twice or not at all
@@ -256,20 +261,26 @@ class EngineClient:
                 )
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
+        if self._processor is None:
+            self._processor = OutputProcessor(self.info.tokenizer)
+        self._processor.add(request_id, params)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._count_lock:
             self._pending_adds += 1
         try:
-            self._send(("add", request_id, prompt, params, time.monotonic(), lora_request, fut))
+            self._send(("add", request_id, prompt, engine_params(params), time.monotonic(),
+                        lora_request, fut))
         except BaseException:
             with self._count_lock:
                 self._pending_adds -= 1  # never queued
             self._streams.pop(request_id, None)
+            self._processor.remove(request_id)
             raise
         try:
             await asyncio.wrap_future(fut)
         except BaseException as e:
             self._streams.pop(request_id, None)
+            self._processor.remove(request_id)
             if not isinstance(e, (ValueError, EngineDeadError)):
                 # cancelled while the engine was taking it: make sure it does not run unobserved
                 self.abort(request_id)
@@ -279,6 +290,8 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (at the next step boundary). Never raises."""
         stream = self._streams.pop(request_id, None)
+        if self._processor is not None:
+            self._processor.remove(request_id)
         if stream is not None and stream.finished:
             return
         try:
@@ -330,15 +343,44 @@ class EngineClient:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
-    def _deliver(self, batch: list[tuple[str, Any]]) -> None:
-        """Event-loop side: hand outputs (or exceptions) to their request queues."""
+    def _deliver(self, batch: list[tuple[str, RequestDelta | BaseException]]) -> None:
+        """Event-loop side: turn the engine's deltas into outputs (text, stop strings) and hand
+        them (or exceptions) to their request queues."""
+        processor = self._processor
         for rid, item in batch:
             stream = self._streams.get(rid)
-            if stream is None:
+            if stream is None or processor is None:
+                if processor is not None:
+                    processor.remove(rid)
                 continue
+            if isinstance(item, RequestDelta):
+                try:
+                    result = processor.process(item)
+                except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
+                    logger.exception("request %s failed", rid)
+                    processor.remove(rid)
+                    self._stop_in_engine(rid)
+                    item = RequestFailedError(f"the request failed: {type(e).__name__}: {e}")
+                else:
+                    if result is None:
+                        continue
+                    item, stop_engine = result
+                    if stop_engine:  # its choices all met stop strings here
+                        self._stop_in_engine(
+                            rid, "stop", sum(len(c.token_ids) for c in item.outputs))
+            else:
+                processor.remove(rid)
             if isinstance(item, BaseException) or item.finished:
                 stream.finished = True
             stream.queue.put_nowait(item)
+
+    def _stop_in_engine(self, rid: str, reason: str = "abort", num_tokens: int | None = None) -> None:
+        """Abort a request the API side ended; ``reason`` and ``num_tokens`` (the tokens its
+        output kept) are what the engine's request statistics record."""
+        try:
+            self._send(("abort", rid) if num_tokens is None else ("abort", rid, reason, num_tokens))
+        except EngineDeadError:
+            pass
 
 
 # what an engine runs for :meth:`EngineClient.utility` (a name crosses a process boundary, a
@@ -377,6 +419,7 @@ class AsyncLLMEngine(EngineClient):
         self._stopping = False
         self._dead: BaseException | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
+        self._deltas = DeltaMaker()  # engine-thread side only
         self._last_sched: Any = None
         self.num_steps = 0
         self._publish_stats()
@@ -520,12 +563,14 @@ class AsyncLLMEngine(EngineClient):
             self._publish_stats()
             self._post([(rid, err) for rid in expired])
 
-    def _finish_aborted(self, rid: str, now: float) -> None:
+    def _finish_aborted(self, rid: str, now: float, reason: str = "abort",
+                        num_tokens: int | None = None) -> None:
+        self._deltas.forget(rid)
         tracked = self._tracked.pop(rid, None)
         if tracked is not None:
             tracked.stats.finished = now
-            tracked.stats.finish_reason = "abort"
-            tracked.stats.num_generation_tokens = tracked.tokens
+            tracked.stats.finish_reason = reason
+            tracked.stats.num_generation_tokens = tracked.tokens if num_tokens is None else num_tokens
             self._notify(self.listener.on_request_done, tracked.stats)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -535,6 +580,7 @@ class AsyncLLMEngine(EngineClient):
             if rid in self.engine.requests:
                 self.engine.abort_request(rid)
             self._tracked.pop(rid, None)
+            self._deltas.forget(rid)
         self._publish_stats()
         self._post([(rid, err) for rid in rids])
 
@@ -573,12 +619,12 @@ class AsyncLLMEngine(EngineClient):
                     done.append((fut, None, None))
                     if faults.ACTIVE and seqs and faults.hits("engine_loop", seqs[0].prompt):
                         crash = faults.InjectedFault("the engine loop failed (TIANXIA_FAULT_INJECT)")
-            elif kind == "abort":
+            elif kind == "abort":  # ("abort", rid[, finish reason, generated tokens])
                 rid = cmd[1]
                 if rid in self.engine.requests:
                     self.engine.abort_request(rid)
                     logger.debug("aborted %s", rid)
-                self._finish_aborted(rid, time.monotonic())
+                self._finish_aborted(rid, time.monotonic(), *cmd[2:])
             elif kind == "call":
                 _, fn, fut = cmd
                 if not fut.set_running_or_notify_cancel():
@@ -636,11 +682,13 @@ class AsyncLLMEngine(EngineClient):
         for out in outputs:
             error = failed.get(out.request_id)
             if error is None:
-                item = out
+                item = self._deltas.delta(out)
             elif error.invalid_request:
                 item = RequestUnsatisfiableError(error.message)
             else:
                 item = RequestFailedError(f"the request failed: {error.message}")
+            if error is not None:
+                self._deltas.forget(out.request_id)
             batch.append((out.request_id, item))
             tracked = self._tracked.get(out.request_id)
             if tracked is None:

@@ -49,14 +49,117 @@ _MEAN_STATS = ("kv_cache_usage",)
 _SAME_STATS = ("kv_cache_bytes_per_token", "max_lora")
 
 
+@dataclasses.dataclass(frozen=True)
+class CoreEndpoints:
+    """Where API processes find started engine cores: plain data, handed to each API process
+    (``--api-server-count``)."""
+
+    inputs: list[str]  # per core: its request socket (the core binds it)
+    outputs: list[list[str]]  # per core, per API process: where its outputs go (the API binds it)
+    pids: list[int]
+    facts: dict[str, Any]  # what the first core said when ready (EngineInfo.facts)
+
+
+class EngineCores:
+    """The engine core processes, started (from the main thread: a core's ``PR_SET_PDEATHSIG``
+    follows the thread that made it) and loaded; owned by the process that started them, which
+    stops them with :meth:`shutdown` once no API process needs them."""
+
+    def __init__(self, config: EngineConfig, *, data_parallel_size: int = 1, num_clients: int = 1,
+                 request_timeout: float | None = None, log_stats_interval: float | None = 10.0,
+                 log_level: str = "INFO") -> None:
+        if data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be at least 1")
+        options = {"request_timeout": request_timeout, "log_stats_interval": log_stats_interval}
+        spawn = multiprocessing.get_context("spawn")  # a forked torch process is not safe
+        self._ctx = zmq.Context()
+        self._ready = self._ctx.socket(zmq.PULL)
+        self._ready.setsockopt(zmq.LINGER, 0)
+        tag = f"ipc://@tianxia-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._ready.bind(f"{tag}-ready")
+        self._control: list[zmq.Socket] = []
+        self.procs: list[Any] = []
+        inputs, outputs = [], []
+        try:
+            for i, cpus in enumerate(_cpu_sets(data_parallel_size, config.threads)):
+                inputs.append(f"{tag}-{i}-in")
+                outputs.append([f"{tag}-{i}-out-{j}" for j in range(num_clients)])
+                proc = spawn.Process(
+                    target=_pinned_core, name=f"tianxia-engine-core-{i}", daemon=True,
+                    args=(cpus, _core_config(config, i, data_parallel_size), inputs[-1],
+                          outputs[-1], f"{tag}-ready", os.getpid(), log_level, options))
+                proc.start()
+                self.procs.append(proc)
+            facts = self._wait_ready()
+        except BaseException:
+            self.kill(grace=5.0)  # a core that failed to load is exiting on its own
+            raise
+        self.endpoints = CoreEndpoints(inputs, outputs, [p.pid for p in self.procs], facts)
+        for i, proc in enumerate(self.procs):
+            logger.info("engine core %d: process %d", i, proc.pid)
+
+    def _wait_ready(self) -> dict[str, Any]:
+        """Block until every core has loaded its model; a load error is raised here."""
+        facts: dict[str, Any] = {}
+        for _ in self.procs:
+            while not self._ready.poll(1000):
+                for i, proc in enumerate(self.procs):
+                    if not proc.is_alive():
+                        raise RuntimeError(f"engine core {i} exited during start-up (exit code "
+                                           f"{proc.exitcode}); see its log above")
+            message = msgs.from_core.decode(self._ready.recv())
+            if isinstance(message, msgs.StartupFailed):
+                try:
+                    error = pickle.loads(message.error)
+                except Exception:  # noqa: BLE001 - the text says it all
+                    error = RuntimeError(message.text)
+                raise error
+            if not isinstance(message, msgs.Ready):
+                raise RuntimeError(f"an engine core said {type(message).__name__} before Ready")
+            facts = facts or message.facts
+        return facts
+
+    def exitcode(self, index: int) -> int | None:
+        return self.procs[index].exitcode
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask every core to stop (their API processes are done with them) and wait for them."""
+        for addr, proc in zip(self.endpoints.inputs, self.procs):
+            if proc.is_alive():
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(addr)
+                sock.send(msgs.encoder.encode(("shutdown",)))
+                self._control.append(sock)
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            await loop.run_in_executor(None, proc.join, max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self, grace: float = 0.0) -> None:
+        deadline = time.monotonic() + grace
+        for i, proc in enumerate(self.procs):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                if not grace:
+                    logger.warning("engine core %d did not stop; killing it", i)
+                proc.kill()
+                proc.join(5.0)
+        for sock in (self._ready, *self._control):
+            sock.close(linger=0)
+        self._ctx.term()
+
+
 @dataclasses.dataclass
 class CoreState:
     """One engine core process, its sockets and what the API side knows of its load."""
 
     index: int
-    proc: Any  # multiprocessing.Process
+    pid: int
     inp: zmq.Socket  # to the core
     out: zmq.Socket  # from the core
+    exit_fd: int  # readable once the core process has exited (a pidfd)
     snapshot: dict[str, float] = dataclasses.field(default_factory=dict)
     pending_adds: int = 0
     max_step_seqs: int = 0
@@ -99,11 +202,17 @@ def _pinned_core(cpus: set[int] | None, *args: Any) -> None:
 
 
 class EngineCoreClient(EngineClient):
+    """One API process's connection to the engine cores. Without ``endpoints`` it starts the
+    cores itself (and stops them at :meth:`shutdown`); with them it is API process ``client``
+    of several that share cores another process started and stops."""
+
     def __init__(
         self,
         config: EngineConfig,
         *,
         data_parallel_size: int = 1,
+        endpoints: CoreEndpoints | None = None,
+        client: int = 0,
         max_waiting_requests: int | None = None,
         request_timeout: float | None = None,
         log_stats_interval: float | None = 10.0,
@@ -111,13 +220,10 @@ class EngineCoreClient(EngineClient):
         log_level: str = "INFO",
         balance_threshold: int = 32,
     ) -> None:
-        if data_parallel_size < 1:
-            raise ValueError("--data-parallel-size must be at least 1")
         super().__init__(max_waiting_requests=max_waiting_requests)
         self.on_dead = on_dead
         self.balance_threshold = balance_threshold
         self._block_size = config.cache.block_size
-        self._ctx = zmq.Context()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
         self._stopping = False
@@ -125,51 +231,29 @@ class EngineCoreClient(EngineClient):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._owner: dict[str, CoreState] = {}
-        options = {"request_timeout": request_timeout, "log_stats_interval": log_stats_interval}
-        spawn = multiprocessing.get_context("spawn")  # a forked torch process is not safe
+        self._client = client
+        self._owned: EngineCores | None = None
+        if endpoints is None:
+            self._owned = EngineCores(
+                config, data_parallel_size=data_parallel_size, request_timeout=request_timeout,
+                log_stats_interval=log_stats_interval, log_level=log_level)
+            endpoints = self._owned.endpoints
+        self._ctx = zmq.Context()
         self.cores: list[CoreState] = []
-        try:
-            for i, cpus in enumerate(_cpu_sets(data_parallel_size, config.threads)):
-                name = f"ipc://@tianxia-{os.getpid()}-{uuid.uuid4().hex[:12]}-{i}"
-                inp = self._ctx.socket(zmq.PUSH)
-                inp.setsockopt(zmq.SNDHWM, 0)
-                inp.setsockopt(zmq.LINGER, 0)
-                inp.bind(name + "-in")
-                out = self._ctx.socket(zmq.PULL)
-                out.setsockopt(zmq.LINGER, 0)
-                out.bind(name + "-out")
-                proc = spawn.Process(
-                    target=_pinned_core, name=f"tianxia-engine-core-{i}", daemon=True,
-                    args=(cpus, _core_config(config, i, data_parallel_size), name + "-in",
-                          name + "-out", os.getpid(), log_level, options))
-                proc.start()
-                self.cores.append(CoreState(i, proc, inp, out))
-            facts = [self._wait_ready(core) for core in self.cores]
-        except BaseException:
-            self._kill_all(grace=5.0)  # a core that failed to load is exiting on its own
-            raise
-        self.info = EngineInfo.from_facts(facts[0], config)
-        for core in self.cores:
-            logger.info("engine core %d: process %d", core.index, core.proc.pid)
+        for i, (in_addr, outs, pid) in enumerate(zip(endpoints.inputs, endpoints.outputs,
+                                                    endpoints.pids)):
+            inp = self._ctx.socket(zmq.PUSH)
+            inp.setsockopt(zmq.SNDHWM, 0)
+            inp.setsockopt(zmq.LINGER, 0)
+            inp.connect(in_addr)
+            out = self._ctx.socket(zmq.PULL)
+            out.setsockopt(zmq.LINGER, 0)
+            out.bind(outs[client])
+            # a pidfd: the loop learns of the core's exit even where it is not our child
+            self.cores.append(CoreState(i, pid, inp, out, os.pidfd_open(pid)))
+        self.info = EngineInfo.from_facts(endpoints.facts, config)
 
     # --- start-up and shutdown ----------------------------------------------------------------
-
-    def _wait_ready(self, core: CoreState) -> dict[str, Any]:
-        """Block until ``core`` has loaded its model; its load error is raised here."""
-        while not core.out.poll(1000):
-            if not core.proc.is_alive():
-                raise RuntimeError(f"the engine core process exited during start-up "
-                                   f"(exit code {core.proc.exitcode}); see its log above")
-        message = msgs.from_core.decode(core.out.recv())
-        if isinstance(message, msgs.StartupFailed):
-            try:
-                error = pickle.loads(message.error)
-            except Exception:  # noqa: BLE001 - the text says it all
-                error = RuntimeError(message.text)
-            raise error
-        if not isinstance(message, msgs.Ready):
-            raise RuntimeError(f"the engine core said {type(message).__name__} before Ready")
-        return message.facts
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if self._loop is not None:
@@ -177,37 +261,26 @@ class EngineCoreClient(EngineClient):
         self._loop = loop or asyncio.get_running_loop()
         for core in self.cores:
             self._loop.add_reader(core.out.getsockopt(zmq.FD), self._on_readable, core)
-            self._loop.add_reader(core.proc.sentinel, self._on_exit, core)
+            self._loop.add_reader(core.exit_fd, self._on_exit, core)
             self._on_readable(core)  # anything that came before the loop watched
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is still running, ask every core to stop, and wait for them."""
+        """Abort what is still running; the process that started the cores stops them."""
         self.abort_all("the engine is shutting down")
         self._stopping = True
-        for core in self.cores:
-            if core.proc.is_alive():
-                core.inp.send(msgs.encoder.encode(("shutdown",)))
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + timeout
-        for core in self.cores:
-            await loop.run_in_executor(None, core.proc.join, max(0.0, deadline - time.monotonic()))
-        self._kill_all()
+        if self._owned is not None:
+            await self._owned.shutdown(timeout)
+        self._close()
 
-    def _kill_all(self, grace: float = 0.0) -> None:
-        deadline = time.monotonic() + grace
+    def _close(self) -> None:
         for core in self.cores:
-            core.proc.join(max(0.0, deadline - time.monotonic()))
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(core.proc.sentinel)
+                self._loop.remove_reader(core.exit_fd)
                 if not core.out.closed:
                     self._loop.remove_reader(core.out.getsockopt(zmq.FD))
-            if core.proc.is_alive():
-                if not grace:
-                    logger.warning("engine core %d did not stop; killing it", core.index)
-                core.proc.kill()
-                core.proc.join(5.0)
             core.inp.close(linger=0)
             core.out.close(linger=0)
+            os.close(core.exit_fd)
         self._ctx.term()
 
     @property
@@ -280,7 +353,8 @@ class EngineCoreClient(EngineClient):
             core.requests.add(rid)
             core.inp.send(msgs.encoder.encode(
                 ("add", rid, prompt, msgs.params_fields(params), arrival,
-                 None if lora_request is None else [lora_request.lora_name, lora_request.lora_path])),
+                 None if lora_request is None else [lora_request.lora_name, lora_request.lora_path],
+                 self._client)),
                 copy=False)
         elif command[0] == "abort":
             core = self._owner.pop(command[1], None)
@@ -296,7 +370,7 @@ class EngineCoreClient(EngineClient):
             call_id = next(self._call_ids)
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._calls[call_id] = fut
-            core.inp.send(msgs.encoder.encode(("utility", call_id, name, list(args))))
+            core.inp.send(msgs.encoder.encode(("utility", call_id, name, list(args), self._client)))
             futures.append(asyncio.wrap_future(fut))
             if name == "embed":  # a pure function of its input: one core answers
                 break
@@ -363,7 +437,10 @@ class EngineCoreClient(EngineClient):
 
     def _on_outputs(self, core: CoreState, m: msgs.Outputs) -> None:
         for rid, error, is_value_error in m.acks:
-            _, fut = self._adds.pop(rid, (None, None))
+            owner, fut = self._adds.pop(rid, (None, None))
+            if owner is not None:
+                # the message's statistics already count it (the core publishes, then acks)
+                owner.pending_adds -= 1
             if fut is None or not fut.set_running_or_notify_cancel():
                 continue
             if error is None:
@@ -380,7 +457,6 @@ class EngineCoreClient(EngineClient):
                     fut.set_exception(ValueError(error) if is_value_error else RuntimeError(error))
         if m.stats is not None:
             core.snapshot = m.stats
-        core.pending_adds -= m.adds_taken
         core.max_step_seqs = m.max_step_seqs
         batch: list[tuple[str, Any]] = [(out.request_id, out) for out in m.outputs]
         batch += [(rid, _ERRORS.get(name, EngineDeadError)(text)) for rid, name, text in m.errors]
@@ -405,11 +481,12 @@ class EngineCoreClient(EngineClient):
 
     def _on_exit(self, core: CoreState) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(core.proc.sentinel)
+            self._loop.remove_reader(core.exit_fd)
         self._on_readable(core)  # what it said before it went
         if not self._stopping:
-            self._core_died(core, f"engine core {core.index} exited (exit code "
-                                  f"{core.proc.exitcode})")
+            code = self._owned.exitcode(core.index) if self._owned is not None else None
+            self._core_died(core, f"engine core {core.index} exited"
+                                  + (f" (exit code {code})" if code is not None else ""))
 
     def _core_died(self, core: CoreState, reason: str) -> None:
         if self._dead is not None:

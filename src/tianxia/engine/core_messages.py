@@ -1,9 +1,12 @@
 """What the API process and an engine core process say to each other, over ZeroMQ in msgpack.
 
 Only data crosses: request ids, prompts (token ids, text), sampling parameters as their fields,
-outputs, finish reasons, statistics. To the core, plain tuples (``("add", rid, prompt, params,
-arrival)``, ``("abort", rid)``, ``("utility", call_id, name, args)``, ``("shutdown",)``); from the
-core, the tagged structs below, decoded into their types by one typed decoder.
+new token ids, finish reasons, statistics; never text the core decoded (it decodes none: see
+``output_processor``). To the core, plain tuples (``("add", rid, prompt, params, arrival,
+adapter, client)``, ``("abort", rid[, finish reason, generated tokens])``, ``("utility", call_id,
+name, args, client)``, ``("shutdown",)``; ``client`` is the sending API process's index, where the
+core sends the answer); from the core, the tagged structs below, decoded into their types by one
+typed decoder.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Union
 import msgspec
 
 from tianxia.engine.async_engine import RequestStats, StepStats
-from tianxia.outputs import RequestOutput
+from tianxia.engine.output_processor import RequestDelta
 from tianxia.sampling_params import SamplingParams
 
 
@@ -34,7 +37,7 @@ class StartupFailed(msgspec.Struct, tag=True):
 class Outputs(msgspec.Struct, tag=True, omit_defaults=True):
     """Everything one engine-loop turn produced, in one message."""
 
-    outputs: list[RequestOutput] = []
+    outputs: list[RequestDelta] = []
     # request id, error class name (``async_engine``'s), message
     errors: list[tuple[str, str, str]] = []
     # request id, error message (None: accepted), whether it is a ValueError (a 400)
@@ -48,7 +51,6 @@ class Outputs(msgspec.Struct, tag=True, omit_defaults=True):
     # counters; per-position ones as lists (speculative decoding's accepted tokens per position)
     # and LoRA's: the adapters in use (a comma-separated text), requests per adapter
     stats: dict[str, int | float | list[float] | str | dict[str, int]] | None = None
-    adds_taken: int = 0
     max_step_seqs: int = 0
 
 

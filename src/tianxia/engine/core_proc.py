@@ -1,8 +1,10 @@
 """The engine core process: the scheduler, KV cache and model runner, away from the HTTP side.
 
 Two threads. The engine thread runs :class:`AsyncLLMEngine`'s loop (step while there is work,
-sleep on an event when there is none), and sends what each turn produced (outputs, errors,
-statistics) to the API process as one message. The main thread blocks on the input socket and
+sleep on an event when there is none), and sends what each turn produced (new tokens, errors,
+statistics) to each API process as one message: a request's outputs go to the API process that
+sent it (``--api-server-count``: several share a core), the statistics to every one of them, so
+that each can answer ``/metrics`` for the whole server. The main thread blocks on the input socket and
 turns each message into a command for that loop, so a request arriving at an idle core wakes it
 at once and an idle core uses no CPU. Neither thread holds the GIL while the other works for
 long: the C++ kernels release it, and ZeroMQ does its I/O on its own threads.
@@ -74,15 +76,15 @@ class _Forwarder(StatsListener):
 
 
 class EngineCore(AsyncLLMEngine):
-    """:class:`AsyncLLMEngine`'s engine thread, delivering to a ZeroMQ socket instead of an event
-    loop. Only the engine thread sends on ``out``; other threads queue acknowledgements and
-    replies for it (``deque.append`` is atomic)."""
+    """:class:`AsyncLLMEngine`'s engine thread, delivering to ZeroMQ sockets (one per API process)
+    instead of an event loop. Only the engine thread sends on them; other threads queue
+    acknowledgements and replies for it (``deque.append`` is atomic)."""
 
-    def __init__(self, engine, out: zmq.Socket, **kwargs: Any) -> None:
-        self._out = out
+    def __init__(self, engine, outs: list[zmq.Socket], **kwargs: Any) -> None:
+        self._outs = outs
+        self._client_of: dict[str, int] = {}  # request id -> the API process that sent it
         self._acks: collections.deque = collections.deque()
         self._replies: collections.deque = collections.deque()
-        self._adds_taken = 0
         self._dirty = False
         self._forwarder = _Forwarder()
         super().__init__(engine, stats_listener=self._forwarder, on_dead=self._send_dead, **kwargs)
@@ -98,9 +100,10 @@ class EngineCore(AsyncLLMEngine):
         """One message from the API process; False once it says ``shutdown``."""
         kind = message[0]
         if kind == "add":
-            _, rid, prompt, fields, arrival, lora = message
+            _, rid, prompt, fields, arrival, lora, client = message
+            self._client_of[rid] = client
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.add_done_callback(lambda f, rid=rid: self._ack(rid, f))
+            fut.add_done_callback(lambda f, rid=rid, client=client: self._ack(client, rid, f))
             try:
                 params = SamplingParams(**fields)
             except (TypeError, ValueError) as e:
@@ -111,12 +114,14 @@ class EngineCore(AsyncLLMEngine):
                 self._pending_adds += 1
             lora_request = None if lora is None else LoRARequest(lora[0], lora_path=lora[1])
             self._commands.put(("add", rid, prompt, params, arrival, lora_request, fut))
-        elif kind == "abort":
-            self._commands.put(("abort", message[1]))
+        elif kind == "abort":  # ("abort", rid[, finish reason, generated tokens])
+            self._client_of.pop(message[1], None)  # whatever it still produces goes nowhere
+            self._commands.put(tuple(message))
         elif kind == "utility":
-            _, call_id, name, args = message
+            _, call_id, name, args, client = message
             fut = concurrent.futures.Future()
-            fut.add_done_callback(lambda f, call_id=call_id: self._reply(call_id, f))
+            fut.add_done_callback(lambda f, call_id=call_id, client=client:
+                                  self._reply(client, call_id, f))
             if name not in UTILITIES:
                 fut.set_exception(ValueError(f"unknown engine utility {name!r}"))
             else:
@@ -126,22 +131,23 @@ class EngineCore(AsyncLLMEngine):
         self._wakeup.set()
         return kind != "shutdown"
 
-    def _ack(self, rid: str, fut: concurrent.futures.Future) -> None:
+    def _ack(self, client: int, rid: str, fut: concurrent.futures.Future) -> None:
         e = fut.exception()
-        self._acks.append((rid, None if e is None else str(e), isinstance(e, ValueError)))
+        if e is not None:
+            self._client_of.pop(rid, None)
+        self._acks.append((client, (rid, None if e is None else str(e), isinstance(e, ValueError))))
 
-    def _reply(self, call_id: int, fut: concurrent.futures.Future) -> None:
+    def _reply(self, client: int, call_id: int, fut: concurrent.futures.Future) -> None:
         e = fut.exception()
         # a ValueError (a bad adapter) keeps its plain message: the client raises it as one (a 400)
-        self._replies.append((call_id, None if e is not None else fut.result(),
-                              None if e is None else str(e) if isinstance(e, ValueError)
-                              else f"{type(e).__name__}: {e}", isinstance(e, ValueError)))
+        self._replies.append((client, (call_id, None if e is not None else fut.result(),
+                                       None if e is None else str(e) if isinstance(e, ValueError)
+                                       else f"{type(e).__name__}: {e}", isinstance(e, ValueError))))
 
-    # --- to the output socket (engine thread) -------------------------------------------------
+    # --- to the output sockets (engine thread) ------------------------------------------------
 
     def _publish_stats(self, adds_taken: int = 0) -> None:
         super()._publish_stats(adds_taken)
-        self._adds_taken += adds_taken
         self._dirty = True
 
     def _drain_commands(self) -> None:
@@ -152,27 +158,39 @@ class EngineCore(AsyncLLMEngine):
                 self._post([])
 
     def _post(self, batch: list[tuple[str, Any]]) -> None:
-        outputs, errors = [], []
+        per_client = [msgs.Outputs([], [], [], []) for _ in self._outs]
         for rid, item in batch:
+            client = self._client_of.get(rid)
+            if client is None:  # its API process already ended it
+                continue
             if isinstance(item, BaseException):
-                errors.append((rid, type(item).__name__, str(item)))
+                per_client[client].errors.append((rid, type(item).__name__, str(item)))
+                self._client_of.pop(rid, None)
             else:
-                outputs.append(item)
-        acks = [self._acks.popleft() for _ in range(len(self._acks))]
-        replies = [self._replies.popleft() for _ in range(len(self._replies))]
+                per_client[client].outputs.append(item)
+                if item.finished:
+                    self._client_of.pop(rid, None)
+        for _ in range(len(self._acks)):
+            client, ack = self._acks.popleft()
+            per_client[client].acks.append(ack)
+        for _ in range(len(self._replies)):
+            client, reply = self._replies.popleft()
+            per_client[client].replies.append(reply)
         with self._count_lock:
-            stats, adds_taken = self._snapshot, self._adds_taken
-            self._adds_taken = 0
+            stats = self._snapshot
         self._dirty = False
-        message = msgs.Outputs(outputs, errors, acks, replies, **self._forwarder.take(),
-                               stats=stats, adds_taken=adds_taken, max_step_seqs=self.max_step_seqs)
-        self._out.send(msgs.encoder.encode(message), copy=False)
+        shared = {**self._forwarder.take(), "stats": stats, "max_step_seqs": self.max_step_seqs}
+        for out, message in zip(self._outs, per_client):
+            for key, value in shared.items():
+                setattr(message, key, value)
+            out.send(msgs.encoder.encode(message), copy=False)
 
     def _send_dead(self, exc: BaseException) -> None:
-        self._out.send(msgs.encoder.encode(msgs.Dead(repr(exc))))
+        for out in self._outs:
+            out.send(msgs.encoder.encode(msgs.Dead(repr(exc))))
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the parent-id check below still applies
@@ -181,21 +199,29 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def run_engine_core(config, in_addr: str, out_addr: str, parent_pid: int, log_level: str,
-                    options: dict[str, Any]) -> None:
-    """The core process's main: load, say ready, then serve until ``shutdown`` or the parent's
-    death. Exits 1 if loading failed or the engine loop crashed."""
-    _die_with_parent(parent_pid)
+def run_engine_core(config, in_addr: str, out_addrs: list[str], ready_addr: str, parent_pid: int,
+                    log_level: str, options: dict[str, Any]) -> None:
+    """The core process's main: load, say ready (on ``ready_addr``, to the process that started
+    it), then serve the API processes (requests on ``in_addr``, which the core binds; outputs to
+    ``out_addrs``, one per API process, which they bind) until ``shutdown`` or the parent's death.
+    Exits 1 if loading failed or the engine loop crashed."""
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
-    inp.connect(in_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped nor block the engine
-    out.setsockopt(zmq.LINGER, 5000)  # the last messages (a crash report) still leave
-    out.connect(out_addr)
+    inp.bind(in_addr)
+    outs = []
+    for addr in out_addrs:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped nor block the engine
+        out.setsockopt(zmq.LINGER, 5000)  # the last messages (a crash report) still leave
+        out.connect(addr)  # queued until that API process is there to read them
+        outs.append(out)
+    ready = ctx.socket(zmq.PUSH)
+    ready.setsockopt(zmq.LINGER, 5000)
+    ready.connect(ready_addr)
     from tianxia.engine.llm_engine import LLMEngine
 
     try:
@@ -205,12 +231,13 @@ def run_engine_core(config, in_addr: str, out_addr: str, parent_pid: int, log_le
             blob = pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an exception that does not pickle
             blob = pickle.dumps(RuntimeError(str(e)))
-        out.send(msgs.encoder.encode(msgs.StartupFailed(blob, f"{type(e).__name__}: {e}")))
-        out.close()
+        ready.send(msgs.encoder.encode(msgs.StartupFailed(blob, f"{type(e).__name__}: {e}")))
+        ready.close()
         ctx.term()
         os._exit(1)
-    core = EngineCore(engine, out, **options)
-    out.send(msgs.encoder.encode(msgs.Ready(EngineInfo.of(engine).facts())))
+    core = EngineCore(engine, outs, **options)
+    ready.send(msgs.encoder.encode(msgs.Ready(EngineInfo.of(engine).facts())))
+    ready.close()
     thread = core.run_thread()
     code = 0
     poller = zmq.Poller()
@@ -229,7 +256,8 @@ def run_engine_core(config, in_addr: str, out_addr: str, parent_pid: int, log_le
             thread.join(timeout=10.0)
             break
     inp.close(linger=0)
-    out.close()
+    for out in outs:
+        out.close()
     ctx.term()
     logging.shutdown()
     os._exit(code)  # no interpreter teardown: torch's and OpenMP's threads may still be parked

@@ -504,7 +504,7 @@ class LLMEngine:
             if seq.prompt_logprobs is not None and seq.seq_id in result.prompt_logprobs:
                 base = len(seq.prompt_logprobs)
                 seq.prompt_logprobs.extend(
-                    self._logprob_dict(lp, seq.token_ids[base + i])
+                    self._logprob_dict(lp, seq.token_ids[base + i], seq.params.detokenize)
                     for i, lp in enumerate(result.prompt_logprobs[seq.seq_id])
                 )
             seq.num_computed_tokens += n
@@ -529,7 +529,7 @@ class LLMEngine:
                 try:
                     if s.logprobs is not None:
                         lp = result.logprobs[s.seq_id]
-                        s.logprobs.append(self._logprob_dict(lp, token))
+                        s.logprobs.append(self._logprob_dict(lp, token, s.params.detokenize))
                         s.cumulative_logprob += lp[2]
                     self._check_stop(s, token)
                 except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
@@ -566,7 +566,7 @@ class LLMEngine:
             seq.token_ids.append(token)
             try:
                 if logprobs is not None:
-                    seq.logprobs.append(self._logprob_dict(logprobs[i], token))
+                    seq.logprobs.append(self._logprob_dict(logprobs[i], token, seq.params.detokenize))
                     seq.cumulative_logprob += logprobs[i][2]
                 self._check_stop(seq, token)
             except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
@@ -600,9 +600,11 @@ class LLMEngine:
                 forks[seq.seq_id] = children
         return forks
 
-    def _logprob_dict(self, lp, chosen: int) -> dict[int, Logprob]:
+    def _logprob_dict(self, lp, chosen: int, detokenize: bool = True) -> dict[int, Logprob]:
+        """Top logprobs of one position; their tokens' text only where the engine makes text
+        (served requests leave it to the API side, see ``output_processor``)."""
         top_ids, top_vals, chosen_lp, rank = lp
-        decode = self.tokenizer.decode
+        decode = self.tokenizer.decode if detokenize else (lambda ids: None)
         out = {t: Logprob(v, r + 1, decode([t])) for r, (t, v) in enumerate(zip(top_ids, top_vals))}
         if chosen not in out:
             out[chosen] = Logprob(chosen_lp, rank, decode([chosen]))
@@ -610,7 +612,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        if faults.ACTIVE and faults.hits("detokenize", seq.prompt):
+        if faults.ACTIVE and seq.params.detokenize and faults.hits("detokenize", seq.prompt):
             raise faults.InjectedFault("the detokenizer failed (TIANXIA_FAULT_INJECT)")
         stop_str = seq.detok.append(token)
         grammar_done = False

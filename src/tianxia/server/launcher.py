@@ -215,6 +215,13 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         "else the least loaded (implies --engine-core process; default: %(default)s)",
     )
     p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port in front of the same engine core(s): HTTP, "
+        "tokenization, detokenization and streaming spread over them (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-request-bytes",
         default="4MiB",
         help="largest request body accepted; larger ones get a 413 (default: %(default)s)",
@@ -455,8 +462,9 @@ def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseExcep
     )
 
 
-def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
-    """The engine behind a single-model server: on a thread here, or in core processes."""
+def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead, attach=None):
+    """The engine behind a single-model server: on a thread here, or in core processes (started
+    here, or, for one of several API processes, ``attach``: the cores' endpoints and its index)."""
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be at least 1")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
@@ -481,6 +489,8 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
     return EngineCoreClient(
         config,
         data_parallel_size=args.data_parallel_size,
+        endpoints=None if attach is None else attach[0],
+        client=0 if attach is None else attach[1],
         max_waiting_requests=args.max_waiting_requests,
         request_timeout=args.request_timeout,
         log_stats_interval=None if args.disable_log_stats else 10.0,
@@ -489,7 +499,7 @@ def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead):
     )
 
 
-def _single_model(args: argparse.Namespace, model: str, state, on_dead):
+def _single_model(args: argparse.Namespace, model: str, state, on_dead, attach=None):
     """The one model of a plain server, loaded before the server starts."""
     from tianxia.server.api import build_servings
     from tianxia.server.metrics import ServerMetrics
@@ -498,7 +508,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead):
 
     pooler = PoolerConfig.parse(args.pooler_config)
     config = engine_config(args, model)
-    async_engine = _engine_client(args, config, on_dead)
+    async_engine = _engine_client(args, config, on_dead, attach)
     state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
     names = args.served_model_name or [model]
     metrics = ServerMetrics(
@@ -611,13 +621,19 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
     return registry, metrics
 
 
-def run_server(args: argparse.Namespace, default_model: str) -> int:
+def run_server(args: argparse.Namespace, default_model: str, *, attach=None, sock=None) -> int:
+    """Serve until SIGTERM / SIGINT. With ``--api-server-count`` N > 1 this process supervises N
+    API processes (:mod:`tianxia.server.api_servers`), each of which runs this function with
+    ``attach`` (the engine cores' endpoints and its index) and ``sock`` (the shared listening
+    socket)."""
     import uvicorn
 
     from tianxia.server.api import build_app
+    from tianxia.server.api_servers import check_api_server_args, run_api_servers
     from tianxia.server.serving_base import ServerState
 
     models = _server_models(args, default_model)
+    check_api_server_args(args, models is not None)
     api_key = (
         args.api_key if args.api_key is not None else os.environ.get("TIANXIA_API_KEY") or None
     )
@@ -637,7 +653,10 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
     state = ServerState()
     if models is None:
         model = args.model_tag or (args.model[0] if args.model else default_model)
-        registry, metrics = _single_model(args, model, state, lambda exc: on_engine_dead(exc))
+        if args.api_server_count > 1 and attach is None:
+            return run_api_servers(args, default_model, model, engine_config(args, model))
+        registry, metrics = _single_model(args, model, state, lambda exc: on_engine_dead(exc),
+                                          attach)
     else:
         registry, metrics = _several_models(args, models, state)
     app = build_app(
@@ -661,6 +680,8 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         # a backstop: the drain deadline below ends the requests still running first, cleanly
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
         timeout_keep_alive=5,
+        # which of several API processes answered (--api-server-count)
+        headers=[("x-tianxia-api-server-pid", str(os.getpid()))] if attach is not None else None,
     )
     server = _graceful_server_class()(config)
 
@@ -701,12 +722,12 @@ def run_server(args: argparse.Namespace, default_model: str) -> int:
         server.should_exit = True
 
     server.on_signal = on_signal
-    logger.info(
-        "listening on http://%s:%d%s", args.host, args.port, ", API key required" if api_key else ""
-    )
-    if args.webui:
-        logger.info("web page: http://%s:%d/", args.host, args.port)
-    server.run()
+    if attach is None:
+        logger.info("listening on http://%s:%d%s", args.host, args.port,
+                    ", API key required" if api_key else "")
+        if args.webui:
+            logger.info("web page: http://%s:%d/", args.host, args.port)
+    server.run(sockets=None if sock is None else [sock])
     if engine_died or (server.started is False and not server.should_exit):
         return 1
     return 0

@@ -1,0 +1,205 @@
+"""Engine outputs as new tokens, and their text, stop strings and snapshots on the API side.
+
+An engine sends, for each request a step touched, only what is new: the token ids (and logprobs)
+each choice gained, and finish reasons (:class:`RequestDelta`, made by :class:`DeltaMaker` from the
+engine's own outputs). Text is the API side's business, as in vLLM V1's ``OutputProcessor``:
+:class:`OutputProcessor` keeps each request's choices, runs their incremental detokenizers and
+stop strings, and hands the server cumulative :class:`RequestOutput` snapshots whose
+``stable_len`` says how much of the text a stream may send. A choice that meets a stop string
+finishes here; once all of a request's choices have, the caller aborts it in the engine.
+
+The engine runs requests with ``stop`` removed and ``detokenize`` off (:func:`engine_params`), so
+an engine core never decodes text. The same code serves an engine on a thread of this process and
+engine core processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tianxia.engine import faults
+from tianxia.engine.detokenizer import IncrementalDetokenizer
+from tianxia.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from tianxia.sampling_params import SamplingParams
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice (sequence) gained in a step."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in a step. The prompt travels with the request's first delta."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+
+
+def engine_params(params: SamplingParams) -> SamplingParams:
+    """The parameters an engine runs a request with: no stop strings and no text (both are the
+    API side's); everything that decides tokens is unchanged."""
+    if not params.detokenize and not params.stop_strings:
+        return params
+    return dataclasses.replace(params, stop=None, detokenize=False)
+
+
+@dataclass
+class _Sent:
+    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens sent
+    prompt_sent: bool = False
+
+
+class DeltaMaker:
+    """Engine side: turns the engine's cumulative outputs into deltas, remembering per request
+    how many tokens of each choice were sent."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+
+    def delta(self, out: RequestOutput) -> RequestDelta:
+        sent = self._sent.setdefault(out.request_id, _Sent())
+        choices = []
+        for c in out.outputs:
+            start = sent.tokens.get(c.index, 0)
+            if start == len(c.token_ids) and c.finish_reason is None:
+                continue
+            sent.tokens[c.index] = len(c.token_ids)
+            choices.append(ChoiceDelta(
+                c.index, c.token_ids[start:],
+                None if c.logprobs is None else c.logprobs[start:],
+                c.cumulative_logprob, c.finish_reason, c.stop_reason))
+        delta = RequestDelta(out.request_id, choices, out.finished,
+                             num_cached_tokens=out.num_cached_tokens)
+        if not sent.prompt_sent:
+            sent.prompt_sent = True
+            delta.prompt, delta.prompt_token_ids = out.prompt, out.prompt_token_ids
+            delta.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            del self._sent[out.request_id]
+        return delta
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without a finished output (aborted, failed)."""
+        self._sent.pop(request_id, None)
+
+
+@dataclass
+class _Choice:
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self, index: int) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        return CompletionOutput(
+            index=index, text=self.detok.text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            stable_len=self.detok.stable_len(finished))
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """API side: one entry per request in flight, fed its :class:`RequestDelta` s."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _Request] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        self._requests[request_id] = _Request(params)
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def process(self, delta: RequestDelta) -> tuple[RequestOutput, bool] | None:
+        """The request's snapshot after ``delta``, and whether the engine must still be told to
+        stop it (its choices all finished here, on stop strings, before the engine finished it).
+        None for a request that is no longer tracked (finished here; the engine's last steps).
+        A detokenizer that raises propagates; the caller fails that request alone."""
+        req = self._requests.get(delta.request_id)
+        if req is None:
+            return None
+        if delta.prompt_token_ids is not None:
+            req.prompt, req.prompt_token_ids = delta.prompt, delta.prompt_token_ids
+            req.prompt_logprobs = delta.prompt_logprobs
+        req.num_cached_tokens = delta.num_cached_tokens
+        for d in delta.choices:
+            choice = req.choices.get(d.index)
+            if choice is None:
+                choice = req.choices[d.index] = self._new_choice(req)
+            if choice.finish_reason is None:
+                self._advance(req, choice, d)
+        all_done = len(req.choices) == req.params.n and all(
+            c.finish_reason is not None for c in req.choices.values())
+        finished = delta.finished or all_done
+        out = RequestOutput(
+            request_id=delta.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[req.choices[i].output(i) for i in sorted(req.choices)], finished=finished,
+            prompt_logprobs=req.prompt_logprobs, num_cached_tokens=req.num_cached_tokens)
+        if finished:
+            del self._requests[delta.request_id]
+        return out, finished and not delta.finished
+
+    def _new_choice(self, req: _Request) -> _Choice:
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop_strings,
+                                       p.include_stop_str_in_output, p.skip_special_tokens,
+                                       enabled=p.detokenize)
+        return _Choice(detok, logprobs=[] if p.logprobs is not None else None)
+
+    @staticmethod
+    def _advance(req: _Request, choice: _Choice, d: ChoiceDelta) -> None:
+        """Take the choice's new tokens one by one, as the engine produced them; a stop string
+        ends it at the token that completed it (tokens after it, in the same step, are dropped)."""
+        for i, token in enumerate(d.new_token_ids):
+            if faults.ACTIVE and faults.hits("detokenize", req.prompt):
+                raise faults.InjectedFault("the detokenizer failed (TIANXIA_FAULT_INJECT)")
+            choice.token_ids.append(token)
+            if choice.logprobs is not None and d.new_logprobs is not None:
+                choice.logprobs.append(d.new_logprobs[i])
+            stop = choice.detok.append(token)
+            if stop is not None:
+                choice.finish_reason, choice.stop_reason = "stop", stop
+                if i == len(d.new_token_ids) - 1:
+                    choice.cumulative_logprob = d.cumulative_logprob
+                elif choice.logprobs is not None:  # tokens after the stop are dropped
+                    choice.cumulative_logprob = sum(
+                        pos[t].logprob for pos, t in zip(choice.logprobs, choice.token_ids))
+                return
+        choice.cumulative_logprob = d.cumulative_logprob
+        if d.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+            choice.detok.flush()

@@ -1,0 +1,140 @@
+"""``tianxia serve --api-server-count N``: N API server processes in front of the same engine cores.
+
+The process that runs ``tianxia serve`` becomes a supervisor, as vLLM's does: it starts the engine
+cores (:class:`EngineCores`, one output socket per API process), binds the listening socket once,
+and starts N API server processes that each serve HTTP on that same socket (the kernel hands each
+connection to one of them) and talk to every core as client ``i``. Tokenization, chat templates,
+detokenization, JSON and SSE then run on N processes instead of one.
+
+Lifetimes: the API processes and the cores die with the supervisor (``PR_SET_PDEATHSIG``, even
+when it is SIGKILLed; the listening socket dies with the last holder). An API process that exits
+(it exits 1 when a core dies) takes the rest down and the supervisor exits 1. SIGTERM / SIGINT
+drain: each API process stops accepting and finishes its requests, then the cores stop.
+
+``/metrics``: the cores send their statistics (gauges, steps, per-request timings) to every API
+process, so any of them answers for the whole server; only the few counters an API process keeps
+itself (requests refused with 503 ``queue_full``, requests routed to each core) are its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+from multiprocessing.connection import wait
+
+from tianxia.engine.core_client import CoreEndpoints, EngineCores
+
+logger = logging.getLogger(__name__)
+
+_WAIT_S = 1.0
+
+
+def check_api_server_args(args: argparse.Namespace, several_models: bool) -> None:
+    """What ``--api-server-count`` combines with (one model in engine core processes)."""
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be at least 1")
+    if args.api_server_count == 1:
+        return
+    if several_models:
+        raise ValueError("--api-server-count serves one model; it does not combine with --model "
+                         "NAME=... or --models-dir")
+    if args.engine_core == "thread":
+        raise ValueError("--api-server-count needs --engine-core process")
+    if args.enable_lora or args.tensor_parallel_size > 1:
+        raise ValueError("--api-server-count does not combine with --enable-lora or "
+                         "--tensor-parallel-size (their engine runs on a thread of the server)")
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's backlog
+    return sock
+
+
+def _api_server_main(args: argparse.Namespace, default_model: str, endpoints: CoreEndpoints,
+                     index: int, sock: socket.socket, parent_pid: int) -> None:
+    from tianxia.engine.core_proc import die_with_parent
+    from tianxia.server.launcher import run_server
+
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(levelname)s [api {index}] %(name)s: %(message)s")
+    try:
+        code = run_server(args, default_model, attach=(endpoints, index), sock=sock)
+    except Exception as e:  # noqa: BLE001 - one line, as the CLI prints it
+        logger.error("%s", e)
+        code = 1
+    os._exit(code)
+
+
+def run_api_servers(args: argparse.Namespace, default_model: str, model: str, config) -> int:
+    """Supervise the cores and ``args.api_server_count`` API processes until they are done."""
+    n = args.api_server_count
+    cores = EngineCores(config, data_parallel_size=args.data_parallel_size, num_clients=n,
+                        request_timeout=args.request_timeout,
+                        log_stats_interval=None if args.disable_log_stats else 10.0,
+                        log_level=args.log_level.upper())
+    sock = _listening_socket(args.host, args.port)
+    spawn = multiprocessing.get_context("spawn")
+    servers = []
+    try:
+        for i in range(n):
+            proc = spawn.Process(target=_api_server_main, name=f"tianxia-api-server-{i}",
+                                 args=(args, default_model, cores.endpoints, i, sock, os.getpid()))
+            proc.start()
+            servers.append(proc)
+            logger.info("API server %d: process %d", i, proc.pid)
+        sock.close()  # the API processes hold it now
+        logger.info("serving %s on http://%s:%d with %d API server processes", model, args.host,
+                    args.port, n)
+        return _supervise(servers, cores)
+    finally:
+        for proc in servers:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+        if any(p.is_alive() for p in cores.procs):
+            asyncio.run(cores.shutdown(timeout=10.0))
+        else:
+            cores.kill()
+
+
+def _supervise(servers: list, cores: EngineCores) -> int:
+    draining = False
+
+    def drain(signum, frame) -> None:
+        nonlocal draining
+        if not draining:
+            logger.info("shutting down: the API servers drain their requests")
+        draining = True
+        for proc in servers:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.signal(signal.SIGINT, drain)
+    while True:
+        wait([p.sentinel for p in servers] + [p.sentinel for p in cores.procs], _WAIT_S)
+        for i, proc in enumerate(servers):
+            if proc.exitcode is not None and (proc.exitcode != 0 or not draining):
+                logger.error("API server %d exited (exit code %s); stopping the server", i,
+                             proc.exitcode)
+                return 1
+        if all(p.exitcode == 0 for p in servers):
+            return 0
+        for i, proc in enumerate(cores.procs):
+            if proc.exitcode is not None and not draining:
+                # the API processes see it too and exit 1; give them a moment to fail their
+                # requests with an error, then stop
+                wait([p.sentinel for p in servers], 5.0)
+                logger.error("engine core %d exited (exit code %s); stopping the server", i,
+                             proc.exitcode)
+                return 1

@@ -1,0 +1,91 @@
+"""Detokenization on the API side (``engine/output_processor.py``).
+
+A request run the served way (the engine given no stop strings and no text to make, its outputs
+turned into deltas of token ids, text and stop strings done by the ``OutputProcessor``, the engine
+told to stop once a stop string ended the request) must give what the offline engine gives when
+it detokenizes itself: the same text, tokens, finish and stop reasons and logprobs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tianxia import SamplingParams
+from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, RequestDelta, engine_params
+from tianxia.outputs import RequestOutput
+
+PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def run_split(engine, rid: str, prompt: str, params: SamplingParams) -> tuple[RequestOutput, list]:
+    """The request through DeltaMaker -> OutputProcessor; its final output and the deltas."""
+    processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+    processor.add(rid, params)
+    engine.add_request(rid, prompt, engine_params(params))
+    deltas: list[RequestDelta] = []
+    final = None
+    while final is None:
+        for out in engine.step():
+            assert all(c.text == "" for c in out.outputs)  # the engine made no text
+            delta = maker.delta(out)
+            deltas.append(delta)
+            result = processor.process(delta)
+            if result is not None and result[0].finished:
+                final = result[0]
+                if result[1]:  # ended here on a stop string: the engine is told to stop
+                    engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    return final, deltas
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24),
+    SamplingParams(temperature=0, max_tokens=24, stop=[" Berlin", "."]),
+    SamplingParams(temperature=0, max_tokens=24, stop=["Berlin"], include_stop_str_in_output=True,
+                   logprobs=2),
+    SamplingParams(temperature=0.9, max_tokens=16, n=3, seed=11, stop=[" the", ","]),
+    SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[13], skip_special_tokens=False),
+], ids=["plain", "stop", "include-stop-logprobs", "n3-seeded-stop", "stop-token"])
+def test_split_detokenization_matches_the_engines(smollm2_llm, params):
+    (want,) = smollm2_llm.generate(PROMPT, params)
+    got, deltas = run_split(smollm2_llm.engine, "split", PROMPT, params)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert len(got.outputs) == len(want.outputs) == params.n
+    for g, w in zip(got.outputs, want.outputs):
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (
+            w.text, w.token_ids, w.finish_reason, w.stop_reason)
+        assert g.stable_len == len(g.text)
+        if params.logprobs is not None:
+            assert g.cumulative_logprob == w.cumulative_logprob
+            assert [{t: lp.logprob for t, lp in pos.items()} for pos in g.logprobs] == [
+                {t: lp.logprob for t, lp in pos.items()} for pos in w.logprobs]
+    # what crossed: token ids only, each once; the prompt with the first delta alone
+    assert deltas[0].prompt_token_ids == want.prompt_token_ids
+    assert all(d.prompt_token_ids is None for d in deltas[1:])
+    sent: dict[int, list[int]] = {}
+    for d in deltas:
+        for c in d.choices:
+            sent.setdefault(c.index, []).extend(c.new_token_ids)
+    for g in got.outputs:
+        assert sent[g.index][: len(g.token_ids)] == g.token_ids
+
+
+def test_stop_string_is_held_back_while_streaming(smollm2_llm):
+    """While a choice runs, text that could still begin a stop string is not yet stable."""
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["Berlin is the capital"])
+    engine = smollm2_llm.engine
+    processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+    processor.add("hold", params)
+    engine.add_request("hold", PROMPT, engine_params(params))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            result = processor.process(maker.delta(out))
+            if result is None:
+                continue
+            (c,) = result[0].outputs
+            assert c.stable_len <= max(0, len(c.text) - len(params.stop_strings[0]) + 1) or \
+                c.finish_reason is not None
+            streamed += c.text[len(streamed): c.stable_len]
+    (want,) = smollm2_llm.generate(PROMPT, params)
+    assert streamed == want.outputs[0].text
