@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tianxia.config import CacheConfig, EngineConfig
 from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tianxia.engine.step_io import RunnerOutput, StepInput
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.loader import LoadedModel, release_freed_memory
 from tianxia.loader import load_model as load_whole_model
@@ -295,10 +296,10 @@ class TensorParallelModel:
 class TensorParallelRunner(ModelRunner):
     """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache."""
 
-    def execute(self, scheduled, copies=(), forks=None):
-        if copies:
-            self.model.workers.send(("copy", list(copies)))
-        return super().execute(scheduled, copies, forks)
+    def execute(self, step: StepInput) -> RunnerOutput:
+        if step.copies:
+            self.model.workers.send(("copy", step.copies))
+        return super().execute(step)
 
 
 def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
