@@ -1,9 +1,10 @@
 """Tensor parallelism over ``torch.distributed``: rank 0 is the engine's own process, ranks
 1..N-1 are worker processes it spawns, each holding its shard of the model and of the KV cache.
 
-The scheduler runs once, on rank 0. Each forward pass the runner makes goes to the workers first
-as plain data over a pipe (token ids, positions, the attention metadata with its slot mapping and
-block tables, the rows to keep), so every rank runs the same step on its shard; the collectives
+The scheduler runs once, on rank 0. Each batch the runner builds goes to the workers first, as
+the same plain-data ``StepInput`` (token ids, positions, slot mapping, block tables, the block
+copies to make; not what only rank 0 samples with), then each forward pass the rows to keep, so
+every rank runs the same step on its shard; the collectives
 inside the model (an all-reduce after o and down, after the embedding, an all-gather of the
 logits) keep them in lockstep. Every rank's cache has the same blocks, so the block tables of
 rank 0 index all of them. Pipes rather than a broadcast carry the inputs: an idle worker waits on
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from tianxia.config import CacheConfig, EngineConfig
 from tianxia.distributed.sharding import check_supported, rank_config, shard_llama
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
-from tianxia.engine.step_io import RunnerOutput, StepInput
+from tianxia.engine.step_io import StepInput
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.loader import LoadedModel, release_freed_memory
 from tianxia.loader import load_model as load_whole_model
@@ -118,20 +119,23 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 @torch.inference_mode()
 def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
     """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
+    batch = None
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
         kind = msg[0]
-        if kind == "forward":
-            _, ids, pos, meta, keep = msg
-            model(ids, pos, runner.kv_caches, meta, keep)
+        if kind == "step":
+            step: StepInput = msg[1]
+            for src, dst in step.copies:
+                runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
+            batch = runner.tensors(step)
+        elif kind == "forward":
+            ids, pos, meta = batch
+            model(ids, pos, runner.kv_caches, meta, msg[1])
         elif kind == "logits":
             model.compute_logits(msg[1])
-        elif kind == "copy":
-            for src, dst in msg[1]:
-                runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
         elif kind == "stop":
             return
 
@@ -247,7 +251,7 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
-        self.workers.send(("forward", input_ids, positions, meta, keep))
+        self.workers.send(("forward", keep))  # over the batch the runner sent with ``tensors``
         try:
             return self.model(input_ids, positions, kv_caches, meta, keep)
         except RuntimeError as e:
@@ -294,12 +298,12 @@ class TensorParallelModel:
 
 
 class TensorParallelRunner(ModelRunner):
-    """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache."""
+    """The model runner of rank 0: every batch it builds goes to the workers too, with its block
+    copies (copy-on-write), made on every rank's cache."""
 
-    def execute(self, step: StepInput) -> RunnerOutput:
-        if step.copies:
-            self.model.workers.send(("copy", step.copies))
-        return super().execute(step)
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        self.model.workers.send(("step", step.batch_only()))
+        return super().tensors(step)
 
 
 def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,

@@ -102,6 +102,12 @@ class StepInput:
     all_rows: bool = False
     fault_nan_rows: list[int] = field(default_factory=list)  # sampled rows made NaN (fault injection)
 
+    def batch_only(self) -> StepInput:
+        """The batch without what only the sampling rank reads: what a tensor-parallel worker
+        gets (the sampling inputs hold generators and grammar matchers, which stay here)."""
+        return StepInput(self.seq_ids, self.input_ids, self.positions, self.slot_mapping, self.query_lens,
+                         self.seq_lens, self.block_tables, self.lora_slots, self.copies)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
