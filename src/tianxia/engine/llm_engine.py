@@ -14,7 +14,7 @@ from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
-from tianxia.engine.step_io import RequestFailure
+from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
 from tianxia.engine.scheduler import Scheduler
@@ -480,11 +480,11 @@ class LLMEngine:
     # what the scheduler's update leaves to the engine (StepHandler): a token's text and logprobs,
     # and ending a failed request
 
-    def on_prompt_logprobs(self, seq: Sequence, logprobs: list) -> None:
+    def on_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
         base = len(seq.prompt_logprobs)
         seq.prompt_logprobs.extend(self._logprob_dict(lp, seq.token_ids[base + i]) for i, lp in enumerate(logprobs))
 
-    def on_token(self, seq: Sequence, token: int, logprobs) -> str | None:
+    def on_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_dict(logprobs, token))
             seq.cumulative_logprob += logprobs[2]
