@@ -482,7 +482,9 @@ class LLMEngine:
 
     def on_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
         base = len(seq.prompt_logprobs)
-        seq.prompt_logprobs.extend(self._logprob_dict(lp, seq.token_ids[base + i]) for i, lp in enumerate(logprobs))
+        seq.prompt_logprobs.extend(
+            self._logprob_dict(lp, seq.token_ids[base + i]) for i, lp in enumerate(logprobs)
+        )
 
     def on_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         if seq.logprobs is not None:

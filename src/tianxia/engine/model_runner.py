@@ -156,7 +156,8 @@ class ModelRunner:
         if deferred:
             self._drop_nan_rows(logits, nan_rows, step.sample_seq_ids, result)
         for i in out.dead_rows:
-            result.errors.setdefault(step.sample_seq_ids[i], RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
+            result.errors.setdefault(step.sample_seq_ids[i],
+                                     RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
         result.sampled_token_ids = torch.tensor(out.tokens, dtype=torch.int64)
         for sid, lp in zip(step.sample_seq_ids, out.logprobs):
             if lp is not None and sid not in result.errors:

@@ -5,15 +5,16 @@ its next chunk), then waiting ones are admitted first-come first-served while bu
 slots and KV blocks last. When a running sequence cannot get a block, the newest running sequence
 is preempted: its blocks are freed and it is recomputed later from its tokens (prompt + output).
 
-After the runner has run a step (its input is :meth:`Scheduler.step_input`, plain data), :meth:`Scheduler.update`
-applies the results: it appends the sampled (or verified) tokens, advances the computed counts,
-keys newly full blocks in the prefix cache, checks the token-level stop conditions (EOS, stop
-token ids, grammar termination, ``max_tokens``, the context length) and frees finished sequences.
+After the runner has run a step (its input is :meth:`Scheduler.step_input`, plain data),
+:meth:`Scheduler.update` applies the results: it appends the sampled (or verified) tokens,
+advances the computed counts, keys newly full blocks in the prefix cache, checks the token-level
+stop conditions (EOS, stop token ids, grammar termination, ``max_tokens``, the context length)
+and frees finished sequences.
 What a token means as text (logprob entries, the detokenizer and its stop strings) and ending a
 failed request are the engine's: it passes them in as a :class:`StepHandler`.
 
 Block accounting is per step: a sequence asks only for the blocks of its next chunk. With a
-sliding window on every layer the engine gives back out-of-window blocks after each step, so a
+sliding window on every layer ``update`` gives back out-of-window blocks after each step, so a
 long sequence keeps needing about ``window / block_size + 1`` blocks (plus its chunk) and never
 has to fit the cache whole (``BlockManager.max_blocks_per_seq``).
 """
@@ -177,7 +178,8 @@ class Scheduler:
 
     def step_input(self, out: SchedulerOutput) -> StepInput:
         """The runner's plain-data input for a scheduled step (after its forks and proposals)."""
-        return make_step_input(out.scheduled, self.block_manager.block_size, self.eos_ids, out.copies, out.forks)
+        return make_step_input(out.scheduled, self.block_manager.block_size, self.eos_ids, out.copies,
+                               out.forks)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput, handler: StepHandler) -> list[str]:
         """Apply a step's results to its sequences; the ids of the requests it touched (new

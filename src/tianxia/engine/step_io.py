@@ -141,7 +141,8 @@ class RunnerOutput:
         return {sid: t for sid, t in zip(self.seq_ids, ids) if t >= 0 and sid not in self.errors}
 
 
-def prepare_batch(scheduled: Iterable[tuple[BatchItem, int]], block_size: int) -> tuple[list[tuple[BatchItem, int]], StepInput]:
+def prepare_batch(scheduled: Iterable[tuple[BatchItem, int]],
+                  block_size: int) -> tuple[list[tuple[BatchItem, int]], StepInput]:
     """The flat batch of ``(item, num_new_tokens)`` pairs, and the pairs in its order."""
     # decodes (one new token) first, so the attention backend can batch them densely; then by
     # LoRA adapter, so each adapter's rows are a run its product reads in place
@@ -200,10 +201,12 @@ def make_step_input(scheduled, block_size: int, eos_ids: tuple[int, ...], copies
             continue
         first = seq.num_computed_tokens
         # report only prompt tokens not reported yet (a preempted sequence recomputes its prompt)
-        targets = [p + 1 for p in range(first, first + n) if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
+        targets = [p + 1 for p in range(first, first + n)
+                   if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
         if targets:
             step.prompt_logprobs.append(PromptLogprobsRequest(
-                i, seq.seq_id, first, targets, [seq.token_ids[t] for t in targets], seq.params.prompt_logprobs))
+                i, seq.seq_id, first, targets, [seq.token_ids[t] for t in targets],
+                seq.params.prompt_logprobs))
     step.sample_rows = rows
     step.sample_seq_ids = [s.seq_id for s in seqs]
     if not seqs:
