@@ -365,6 +365,7 @@ def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True):
 
 def _greedy(runner, prompts, steps):
     from tianxia.engine.sequence import Sequence
+    from tianxia.engine.step_io import make_step_input
     from tianxia.sampling_params import SamplingParams
 
     seqs = []
@@ -373,15 +374,15 @@ def _greedy(runner, prompts, steps):
         s = Sequence(f"r{i}", None, p, SamplingParams(temperature=0, max_tokens=steps))
         s.block_table = [free.pop() for _ in range((len(p) + steps + 3) // 4)]
         seqs.append(s)
-    res = runner.execute([(s, len(s)) for s in seqs])
+    res = runner.execute(make_step_input([(s, len(s)) for s in seqs], 4, ()))
     for s in seqs:
         s.num_computed_tokens = len(s)
-        s.token_ids.append(res.tokens[s.seq_id])
+        s.token_ids.append(res.tokens()[s.seq_id])
     for _ in range(steps - 1):
-        res = runner.execute([(s, 1) for s in seqs])
+        res = runner.execute(make_step_input([(s, 1) for s in seqs], 4, ()))
         for s in seqs:
             s.num_computed_tokens += 1
-            s.token_ids.append(res.tokens[s.seq_id])
+            s.token_ids.append(res.tokens()[s.seq_id])
     return [s.output_token_ids for s in seqs]
 
 
@@ -409,6 +410,7 @@ def test_fused_decode_matches_model(batch):
 def _check_fused_decoder_logits(runner, cfg) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
     from tianxia.engine.sequence import Sequence
+    from tianxia.engine.step_io import make_step_input
     from tianxia.layers.attention.triton_attention import decode_num_splits
     from tianxia.models.llama_gpu_step import LlamaGpuStep
     from tianxia.sampling_params import SamplingParams
@@ -423,7 +425,7 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
             s.block_table = list(range(10 * i, 10 * i + 3))
             s.num_computed_tokens = len(p)
             seqs.append(s)
-        _, ids, pos, meta = runner._prepare([(s, 1) for s in seqs])
+        ids, pos, meta = runner.tensors(make_step_input([(s, 1) for s in seqs], 4, ()))
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
         meta.num_splits = decode_num_splits(b, 2, 64)
         torch.testing.assert_close(step(ids, pos, meta), ref, atol=1e-3, rtol=1e-3)

@@ -3,10 +3,11 @@
 On CPU the ranks share the cores and talk through gloo; on CUDA rank r runs on ``cuda:r`` and the
 collectives are NCCL's, on the device.
 
-The scheduler runs once, on rank 0. Each forward pass the runner makes goes to the workers first
-as plain data over a pipe (token ids, positions, the attention metadata with its slot mapping and
-block tables, the rows to keep), so every rank runs the same step on its shard; the collectives
-inside the model (an all-reduce after o and down, after the embedding, and one gathering the
+The scheduler runs once, on rank 0. Each batch the runner builds goes to the workers first, as
+the same plain-data ``StepInput`` (token ids, positions, slot mapping, block tables, the block
+copies to make; not what only rank 0 samples with), then each forward pass the rows to keep, so
+every rank runs the same step on its shard; the collectives
+inside the model (an all-reduce after o and down, after the embedding, an all-gather of the
 logits) keep them in lockstep. Every rank's cache has the same blocks, so the block tables of
 rank 0 index all of them. Pipes rather than a broadcast carry the inputs (host copies, which
 each rank moves to its device): an idle worker waits on its pipe without a collective that would
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from tianxia.config import CacheConfig, EngineConfig
 from tianxia.distributed.sharding import RankShard, check_supported, parallelize, rank_config
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tianxia.engine.step_io import StepInput
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.loader import LoadedModel, load_model_config
 from tianxia.loader import load_model as load_rank_model
@@ -172,25 +174,28 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
     """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
     device = runner.device
+    batch = None
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        kind, args = msg[0], [to_device(a, device) for a in msg[1:]]
-        if kind == "forward":
-            ids, pos, meta, keep = args
-            model(ids, pos, runner.kv_caches, meta, keep)
-        elif kind == "logits":
-            model.compute_logits(args[0])
-        elif kind == "decode":
-            runner.graph_runner.run(*args)
-        elif kind == "copy":
-            for src, dst in args[0]:
+        kind = msg[0]
+        if kind == "step":
+            step: StepInput = msg[1]
+            for src, dst in step.copies:
                 runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
+            batch = runner.tensors(step)
+        elif kind == "forward":
+            ids, pos, meta = batch
+            model(ids, pos, runner.kv_caches, meta, to_device(msg[1], device))
+        elif kind == "logits":
+            model.compute_logits(to_device(msg[1], device))
+        elif kind == "decode":  # rank 0 replays its graph of this batch: the workers theirs
+            runner.graph_runner.run(*batch)
         elif kind == "setup_decode":
             try:
-                runner.setup_decode(*args, fused_step=False)
+                runner.setup_decode(*msg[1:], fused_step=False)
             except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 sys.exit(1)
@@ -314,7 +319,8 @@ class TensorParallelModel:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
-        self.workers.send(("forward", *map(to_host, (input_ids, positions, meta, keep))))
+        # over the batch the runner sent with ``tensors``
+        self.workers.send(("forward", to_host(keep)))
         try:
             return self.model(input_ids, positions, kv_caches, meta, keep)
         except RuntimeError as e:
@@ -368,7 +374,7 @@ class LockstepGraphs:
         self.max_batch = graphs.max_batch
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.workers.send(("decode", *map(to_host, (ids, pos, meta))))
+        self.workers.send(("decode",))  # of the batch the runner sent with ``tensors``
         return self.graphs.run(ids, pos, meta)
 
     def __getattr__(self, name: str):
@@ -376,13 +382,13 @@ class LockstepGraphs:
 
 
 class TensorParallelRunner(ModelRunner):
-    """The model runner of rank 0: block copies (copy-on-write) are made on every rank's cache,
-    and on CUDA every rank captures its decode graphs."""
+    """The model runner of rank 0: every batch it builds goes to the workers too, with its block
+    copies (copy-on-write), made on every rank's cache; on CUDA every rank captures its decode
+    graphs."""
 
-    def execute(self, scheduled, copies=(), forks=None):
-        if copies:
-            self.model.workers.send(("copy", list(copies)))
-        return super().execute(scheduled, copies, forks)
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        self.model.workers.send(("step", step.batch_only()))
+        return super().tensors(step)
 
     def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
                      fused_step: bool = True) -> None:

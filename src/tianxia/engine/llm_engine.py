@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,8 @@ from tianxia.config import EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
-from tianxia.engine.model_runner import ModelRunner, RequestFailure, kv_bytes_per_token
+from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
 from tianxia.engine.scheduler import Scheduler
@@ -137,7 +137,7 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     cache config with ``num_blocks`` set; too little room is an error with the numbers."""
     from dataclasses import replace as _replace
 
-    from tianxia.engine.sequence import Sequence
+    from tianxia.engine.step_io import TokenRun, prepare_batch
 
     frac = config.cache.gpu_memory_utilization
     if not 0.0 < frac <= 1.0:
@@ -151,12 +151,11 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     probe = ModelRunner(model, model_config, _replace(config.cache, num_blocks=(n + bs - 1) // bs + 1),
                         device, dtype)
-    seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1))
-    seq.block_table = list(range((n + bs - 1) // bs))
+    run = TokenRun([0] * n, 0, list(range((n + bs - 1) // bs)))
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        _, ids, pos, meta = probe._prepare([(seq, n)])
+        ids, pos, meta = probe.tensors(prepare_batch([(run, n)], bs)[1])
         hidden = model(ids, pos, probe.kv_caches, meta)
         model.compute_logits(hidden[-1:])
         del hidden
@@ -255,7 +254,6 @@ class LLMEngine:
                                   config.seed, runner_class)
         if tp is not None:
             tp.wait_for_workers(self.runner)
-        self.runner.eos_ids = self.eos_ids
         sched = config.scheduler
         window = attention_window(loaded.model)
         self.block_manager = BlockManager(
@@ -294,18 +292,17 @@ class LLMEngine:
             self.runner.fused_lora = (self.runner.graph_runner is None and attach is not None
                                       and attach(self.lora_manager.state))
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager,
-                                   max_loras=config.lora.max_loras if config.lora else 0)
+                                   max_loras=config.lora.max_loras if config.lora else 0, eos_ids=self.eos_ids)
         for name, path in config.lora.modules if config.lora else ():
             self.add_lora(name, path)  # a bad adapter stops the start-up with a message naming it
         self.requests: dict[str, list[Sequence]] = {}
         # request id -> why, for the requests failed in the last step
         self.failed: dict[str, RequestFailure] = {}
         self._grammar_backend = None
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.speculator = None
         if config.speculative is not None:
             self.speculator = self._make_speculator(config.speculative, loaded)
+            self.scheduler.speculator = self.speculator
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
             "max concurrency at max_model_len=%d: %.1f",
@@ -463,14 +460,6 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def _fail_request(self, request_id: str, failure: RequestFailure) -> None:
-        """End every sequence of a request whose processing raised; the others run on."""
-        self.failed[request_id] = failure
-        for seq in self.requests.get(request_id, []):
-            if not seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "abort", failure.message
-                self.scheduler.finish(seq)
-
     def step(self) -> list[RequestOutput]:
         """One forward pass. A request that fails in it (NaN logits, a detokenizer or grammar
         error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
@@ -489,94 +478,40 @@ class LLMEngine:
             return [self._output(rid) for rid in touched if rid in self.requests]
         if self.speculator is not None:
             self.speculator.fill(out.scheduled)
-        forks = self._fork(out.scheduled)
-        result = self.runner.execute(out.scheduled, out.copies, forks)
-        now = time.monotonic()
-        for seq, n in out.scheduled:
-            if seq.is_finished:  # its request failed earlier in this step
-                continue
-            if seq.num_computed_tokens + n > len(seq):
-                self._append_verified(seq, n, result, now)
-                touched[seq.request_id] = None
-                continue
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if seq.prompt_logprobs is not None and seq.seq_id in result.prompt_logprobs:
-                base = len(seq.prompt_logprobs)
-                seq.prompt_logprobs.extend(
-                    self._logprob_dict(lp, seq.token_ids[base + i], seq.params.detokenize)
-                    for i, lp in enumerate(result.prompt_logprobs[seq.seq_id])
-                )
-            seq.num_computed_tokens += n
-            for s in (seq, *forks.get(seq.seq_id, ())):
-                s.num_computed_tokens = seq.num_computed_tokens
-                if s.is_finished:
-                    continue
-                error = result.errors.get(s.seq_id)
-                if error is not None:
-                    self._fail_request(s.request_id, error)
-                    touched[s.request_id] = None
-                    continue
-                self.block_manager.cache_full_blocks(s)
-                self.block_manager.free_out_of_window(s)
-                token = result.tokens.get(s.seq_id)
-                if token is None:
-                    continue
-                if s.first_token_time is None:
-                    s.first_token_time = now
-                self.num_generation_tokens += 1
-                s.token_ids.append(token)
-                try:
-                    if s.logprobs is not None:
-                        lp = result.logprobs[s.seq_id]
-                        s.logprobs.append(self._logprob_dict(lp, token, s.params.detokenize))
-                        s.cumulative_logprob += lp[2]
-                    self._check_stop(s, token)
-                except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
-                    logger.exception("request %s failed", s.request_id)
-                    self._fail_request(s.request_id, RequestFailure(f"{type(e).__name__}: {e}"))
-                touched[s.request_id] = None
-        for children in forks.values():
-            for child in children:
-                if not child.is_finished:
-                    self.scheduler.running.append(child)
+        out.forks = self._fork(out.scheduled)
+        result = self.runner.execute(self.scheduler.step_input(out))
+        touched.update(dict.fromkeys(self.scheduler.update(out, result, self)))
         return [self._output(rid) for rid in touched if rid in self.requests]
 
-    def _append_verified(self, seq: Sequence, n: int, result, now: float) -> None:
-        """A decode that verified ``n - 1`` proposals: append its accepted ones and the token
-        after them (stopping where a stop condition does), keep the KV of the accepted positions
-        only, and give back the blocks that held nothing else."""
-        num_proposed = n - 1
-        seq.spec_token_ids = []
-        seq.draft_probs = None
-        error = result.errors.get(seq.seq_id)
-        if error is not None:
-            self._fail_request(seq.request_id, error)
-            return
-        tokens = result.accepted[seq.seq_id]
-        logprobs = result.accepted_logprobs.get(seq.seq_id)
-        self.speculator.record(seq, num_proposed, len(tokens) - 1)
-        # the KV of the last token and of each accepted proposal is kept
-        seq.num_computed_tokens += len(tokens)
-        seq.draft_num_computed = min(seq.draft_num_computed, seq.num_computed_tokens)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        for i, token in enumerate(tokens):
-            self.num_generation_tokens += 1
-            seq.token_ids.append(token)
-            try:
-                if logprobs is not None:
-                    seq.logprobs.append(self._logprob_dict(logprobs[i], token, seq.params.detokenize))
-                    seq.cumulative_logprob += logprobs[i][2]
-                self._check_stop(seq, token)
-            except Exception as e:  # noqa: BLE001 - one request's fault ends that request only
-                logger.exception("request %s failed", seq.request_id)
-                self._fail_request(seq.request_id, RequestFailure(f"{type(e).__name__}: {e}"))
-            if seq.is_finished:
-                return
-        self.block_manager.truncate(seq)
-        self.block_manager.cache_full_blocks(seq)
-        self.block_manager.free_out_of_window(seq)
+    # what the scheduler's update leaves to the engine (StepHandler): a token's text and logprobs,
+    # and ending a failed request
+
+    def on_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
+        base = len(seq.prompt_logprobs)
+        seq.prompt_logprobs.extend(
+            self._logprob_dict(lp, seq.token_ids[base + i], seq.params.detokenize)
+            for i, lp in enumerate(logprobs)
+        )
+
+    def on_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_dict(logprobs, token, seq.params.detokenize))
+            seq.cumulative_logprob += logprobs[2]
+        if faults.ACTIVE and seq.params.detokenize and faults.hits("detokenize", seq.prompt):
+            raise faults.InjectedFault("the detokenizer failed (TIANXIA_FAULT_INJECT)")
+        return seq.detok.append(token)
+
+    def on_finished(self, seq: Sequence, stop_str: str | None) -> None:
+        if stop_str is None:
+            seq.detok.flush()
+
+    def on_failed(self, request_id: str, failure: RequestFailure) -> None:
+        """End every sequence of a request whose processing raised; the others run on."""
+        self.failed[request_id] = failure
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "abort", failure.message
+                self.scheduler.finish(seq)
 
     def _fork(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, list[Sequence]]:
         """Fork the n - 1 siblings of requests whose prompt finishes in this step.
@@ -609,33 +544,6 @@ class LLMEngine:
         if chosen not in out:
             out[chosen] = Logprob(chosen_lp, rank, decode([chosen]))
         return out
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        if faults.ACTIVE and seq.params.detokenize and faults.hits("detokenize", seq.prompt):
-            raise faults.InjectedFault("the detokenizer failed (TIANXIA_FAULT_INJECT)")
-        stop_str = seq.detok.append(token)
-        grammar_done = False
-        if seq.grammar is not None:
-            if faults.ACTIVE and faults.hits("grammar", seq.prompt):
-                raise faults.InjectedFault("the grammar matcher failed (TIANXIA_FAULT_INJECT)")
-            if not seq.grammar.accept_token(token):
-                raise RuntimeError(f"token {token} violates the grammar of request {seq.request_id}")
-            grammar_done = seq.grammar.is_terminated()
-        if stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif token in self.eos_ids and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_ids or grammar_done:
-            seq.finish_reason, seq.stop_reason = "stop", token if token in params.stop_token_ids else None
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            seq.finish_reason = "length"
-        elif len(seq) >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            if stop_str is None:
-                seq.detok.flush()
-            self.scheduler.finish(seq)
 
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
@@ -697,7 +605,7 @@ class LLMEngine:
             raise RuntimeError(f"not enough free KV blocks to {what} this sequence now")
         self.block_manager.allocate(seq, len(seq))
         try:
-            return run(seq, self.scheduler.config.max_num_batched_tokens)
+            return run(seq.token_ids, seq.block_table, self.scheduler.config.max_num_batched_tokens)
         finally:
             self.block_manager.free_seq(seq)
 
@@ -716,8 +624,8 @@ class LLMEngine:
             # what --kv-cache-dtype buys at --kv-cache-memory
             "kv_cache_bytes_per_token": kv_bytes_per_token(self.model_config, self.kv_dtype),
             "kv_cache_capacity_tokens": bm.num_usable_blocks * bm.block_size,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
+            "prompt_tokens": self.scheduler.num_prompt_tokens,
+            "generation_tokens": self.scheduler.num_generation_tokens,
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self._lora_stats() if self.lora_manager is not None else {}),
         }

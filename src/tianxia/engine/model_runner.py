@@ -1,7 +1,9 @@
-"""Turns a scheduled step into one flat forward pass, then samples.
+"""Runs a step's :class:`~tianxia.engine.step_io.StepInput` as one flat forward pass, then samples.
 
 The batch is the concatenation of every scheduled sequence's new tokens (no padding), with their
-positions, the cache slot each new token's K/V goes to, and each sequence's block table.
+positions, the cache slot each new token's K/V goes to, and each sequence's block table. The
+runner reads plain data only (no ``Sequence``) and returns a ``RunnerOutput``; what the tokens do
+to the sequences is the scheduler's ``update``.
 
 This is the one place that picks how a step runs (the *route*, counted in ``route_counts``):
 
@@ -16,16 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from tianxia.config import CacheConfig, ModelConfig
-from tianxia.engine import faults
-from tianxia.engine.sequence import Sequence
+from tianxia.engine.step_io import RequestFailure, RunnerOutput, StepInput, TokenRun, prepare_batch
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.lora import LoRAState
-from tianxia.layers.sampler import Sampler, SamplingBatch
+from tianxia.layers.sampler import Sampler
 from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
 from tianxia.quant.kv_blocks import kv_row_bytes
 
@@ -33,34 +33,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
-# (top token ids, their logprobs, the chosen token's logprob, its rank)
-TokenLogprobs = tuple[list[int], list[float], float, int]
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """Why a request got no token. ``invalid_request`` when its own parameters are at fault (an
-    HTTP client gets a 400), otherwise the server failed it (a 500)."""
-
-    message: str
-    invalid_request: bool = False
-
-
 NO_ADMISSIBLE_TOKEN = (
     "no token of the vocabulary satisfies this request's constraints "
     "(guided decoding, allowed_token_ids, bad_words, min_tokens) at this point"
 )
-
-
-@dataclass
-class StepResult:
-    tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
-    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
-    errors: dict[int, RequestFailure] = field(default_factory=dict)  # seq_id -> why it got no token
-    # sequences that verified proposals: their accepted proposals, then one more token
-    accepted: dict[int, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
@@ -94,7 +70,6 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if blocks else kv_dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed)
-        self.eos_ids: tuple[int, ...] = model_config.eos_token_ids
         self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_decode)
         self.decode_step = None  # the family's fused decode step (setup_decode), or None
         self.route_counts: Counter[str] = Counter()  # steps per route: graph, fused, eager
@@ -105,82 +80,47 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
-        # decodes (one new token) first, so the attention backend can batch them densely; then
-        # by LoRA adapter, so each adapter's rows are a run its product reads in place
-        order = sorted(scheduled, key=lambda x: (x[1] != 1, x[0].lora_slot))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens, query_lens, starts = [], [], [0]
-        bs = self.block_size
-        for seq, n in order:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
-            if start + n > len(seq):  # a decode that verifies its proposed tokens
-                input_ids.extend(seq.spec_token_ids[: start + n - len(seq)])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            starts.append(starts[-1] + n)
-        max_blocks = max(len(seq.block_table) for seq, _ in order)
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids, positions and attention metadata on the device."""
+        T, S = len(step.input_ids), step.num_seqs
+        max_blocks = max(len(t) for t in step.block_tables)
         # one host tensor (ids, positions, slots, lengths, zero-padded block tables) and one copy
         # to the device, instead of a tensor and a transfer each
-        flat = input_ids + positions + slots + seq_lens
-        for seq, _ in order:
-            flat += seq.block_table
-            flat += [0] * (max_blocks - len(seq.block_table))
+        flat = step.input_ids + step.positions + step.slot_mapping + step.seq_lens
+        for table in step.block_tables:
+            flat += table
+            flat += [0] * (max_blocks - len(table))
         buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
-        T, S = len(input_ids), len(order)
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=buf[2 * T : 3 * T],
             block_tables=buf[3 * T + S :].view(S, max_blocks),
-            seq_lens=seq_lens,
-            query_lens=query_lens,
+            seq_lens=step.seq_lens,
+            query_lens=step.query_lens,
             query_start_loc=starts,
-            num_decodes=sum(1 for n in query_lens if n == 1),
+            num_decodes=step.num_decodes,
             seq_lens_tensor=buf[3 * T : 3 * T + S],
-            block_size=bs,
+            block_size=self.block_size,
         )
-        return order, buf[:T], buf[T : 2 * T], meta
+        return buf[:T], buf[T : 2 * T], meta
 
     @torch.inference_mode()
-    def execute(
-        self,
-        scheduled: list[tuple[Sequence, int]],
-        copies: list[tuple[int, int]] = (),
-        forks: dict[int, list[Sequence]] | None = None,
-    ) -> StepResult:
-        """Run one step and sample for every sequence whose tokens are now all computed.
-
-        ``forks`` maps a sequence id to siblings that sample from the same logits row (the
-        n > 1 sequences of a request, forked when its prompt is done).
-        """
-        for src, dst in copies:
+    def execute(self, step: StepInput) -> RunnerOutput:
+        """Run one step and sample its sampled rows (``step.sample_rows``)."""
+        for src, dst in step.copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        order, ids, pos, meta = self._prepare(scheduled)
-        rows, seqs = [], []
-        drafted: list[int] = []  # where the rows of each sequence that verifies proposals start
-        for i, (seq, n) in enumerate(order):
-            end = seq.num_computed_tokens + n
-            if end == len(seq):
-                for s in (seq, *(forks or {}).get(seq.seq_id, ())):
-                    rows.append(meta.query_start_loc[i + 1] - 1)
-                    seqs.append(s)
-            elif end > len(seq):  # its last token and n - 1 proposals: every row is sampled
-                drafted.append(len(rows))
-                rows.extend(range(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
-                seqs.extend([seq] * n)
-        row_slots = self._lora_rows(order)
-        keep = self._rows_to_keep(order, rows, ids.shape[0])
+        ids, pos, meta = self.tensors(step)
+        rows = list(step.sample_rows)
+        row_slots = self._lora_rows(step)
+        keep = self._rows_to_keep(step, rows, ids.shape[0])
         if row_slots:
             self.lora.begin_step(row_slots, keep)
         try:
             # rows with an adapter take the module forward, whose hooks add the adapters'
             # deltas, unless the fused decode step takes them
-            graph_logits = (self._decode_logits(order, ids, pos, meta)
+            graph_logits = (self._decode_logits(step, ids, pos, meta)
                             if not row_slots or self.fused_lora else None)
             if graph_logits is not None:
                 hidden = None
@@ -196,93 +136,80 @@ class ModelRunner:
                 self.lora.end_step()
         if hidden is not None:
             self.route_counts["eager"] += 1
-        result = StepResult()
+        result = RunnerOutput(step.sample_seq_ids)
         if keep is None:
-            self._prompt_logprobs(order, hidden, meta, result)
-        if not seqs:
+            self._prompt_logprobs(step, hidden, meta, result)
+        if not rows:
             return result
         if graph_logits is not None:
             same = len(rows) == graph_logits.shape[0] and rows == list(range(len(rows)))
             logits = graph_logits if same else graph_logits[torch.tensor(rows, device=self.device)]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        nan_rows = self._nan_rows(logits, seqs)
+        nan_rows = self._nan_rows(logits, step.fault_nan_rows)
+        drafted = step.spec_groups is not None
         # on the GPU the NaN rows are looked for after sampling: no host sync between the forward
-        # and the sampler, whose batch the host builds (and whose kernels it launches) meanwhile
+        # and the sampler, whose kernels the host launches meanwhile
         deferred = not drafted and logits.is_cuda and self.sampler.samples_on_device(logits)
         if not deferred:
-            logits = self._drop_nan_rows(logits, nan_rows, seqs, result)
+            logits = self._drop_nan_rows(logits, nan_rows, step.sample_seq_ids, result)
         if drafted:
-            self._verify(logits, seqs, drafted, result)
+            self._verify(logits, step, result)
             return result
-        out = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.eos_ids))
+        out = self.sampler(logits, step.sampling)
         if deferred:
-            self._drop_nan_rows(logits, nan_rows, seqs, result)
+            self._drop_nan_rows(logits, nan_rows, step.sample_seq_ids, result)
         for i in out.dead_rows:
-            result.errors.setdefault(seqs[i].seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
-        for seq, token, lp in zip(seqs, out.tokens, out.logprobs):
-            if seq.seq_id in result.errors:
-                continue
-            result.tokens[seq.seq_id] = token
-            if lp is not None:
-                result.logprobs[seq.seq_id] = lp
+            result.errors.setdefault(step.sample_seq_ids[i],
+                                     RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
+        result.sampled_token_ids = torch.tensor(out.tokens, dtype=torch.int64)
+        for sid, lp in zip(step.sample_seq_ids, out.logprobs):
+            if lp is not None and sid not in result.errors:
+                result.logprobs[sid] = lp
         return result
 
-    def _lora_rows(self, order) -> list[int] | None:
+    def _lora_rows(self, step: StepInput) -> list[int] | None:
         """Each token row's adapter slot (-1: base), or None when no row has one."""
-        if self.lora is None or all(seq.lora_slot < 0 for seq, _ in order):
+        if self.lora is None or all(slot < 0 for slot in step.lora_slots):
             return None
-        return [seq.lora_slot for seq, n in order for _ in range(n)]
+        return [slot for slot, n in zip(step.lora_slots, step.query_lens) for _ in range(n)]
 
-    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[int], result: StepResult) -> None:
+    def _verify(self, logits: torch.Tensor, step: StepInput, result: RunnerOutput) -> None:
         """Sample a step with proposals: each sequence that verifies k of them gets between 1 and
         k + 1 tokens in ``result.accepted``; the others one token, as :meth:`execute` gives."""
-        from tianxia.engine.spec_decode.rejection_sampler import DraftedView, Group, verify
+        from tianxia.engine.spec_decode.rejection_sampler import verify
 
-        groups, views = [], []
-        starts = set(drafted)
-        i = 0
-        while i < len(seqs):
-            seq = seqs[i]
-            if i in starts:
-                drafts = seq.spec_token_ids
-                groups.append(Group(i, drafts, seq.draft_probs, seq.grammar))
-                views.extend(DraftedView(seq, drafts[:j]) for j in range(len(drafts) + 1))
-                i += len(drafts) + 1
-            else:
-                groups.append(Group(i, [], None))
-                views.append(seq)
-                i += 1
-        out = verify(self.sampler, logits, SamplingBatch.from_sequences(views, self.eos_ids), groups)
-        for g, tokens, lps, dead in zip(groups, out.tokens, out.logprobs, out.dead):
-            seq = seqs[g.start]
+        groups = step.spec_groups
+        out = verify(self.sampler, logits, step.sampling, groups)
+        tokens = [-1] * len(step.sample_seq_ids)
+        for g, toks, lps, dead in zip(groups, out.tokens, out.logprobs, out.dead):
+            sid = step.sample_seq_ids[g.start]
             if dead:
-                result.errors.setdefault(seq.seq_id, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
-            if seq.seq_id in result.errors:
+                result.errors.setdefault(sid, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
+            if sid in result.errors:
                 continue
-            if g.start in starts:
-                result.accepted[seq.seq_id] = tokens
+            if g.drafts:
+                result.accepted[sid] = toks
                 if lps is not None:
-                    result.accepted_logprobs[seq.seq_id] = lps
+                    result.accepted_logprobs[sid] = lps
             else:
-                result.tokens[seq.seq_id] = tokens[0]
+                tokens[g.start] = toks[0]
                 if lps is not None:
-                    result.logprobs[seq.seq_id] = lps[0]
+                    result.logprobs[sid] = lps[0]
+        result.sampled_token_ids = torch.tensor(tokens, dtype=torch.int64)
 
     @staticmethod
-    def _nan_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _nan_rows(logits: torch.Tensor, fault_rows: list[int]) -> torch.Tensor:
         """[rows] bool on the logits' device, without a host sync: a row's sum is NaN where one of
         its logits is (or where it holds both infinities): one value per row, where isnan made a
         flag per logit (a third of a millisecond per step for a 150k vocabulary on CPU)."""
-        if faults.ACTIVE:
-            for i, seq in enumerate(seqs):
-                if faults.hits("nan", seq.prompt):
-                    logits[i] = float("nan")
+        for i in fault_rows:
+            logits[i] = float("nan")
         return logits.sum(dim=-1).isnan()
 
     @staticmethod
-    def _drop_nan_rows(logits: torch.Tensor, maybe_nan: torch.Tensor, seqs: list[Sequence],
-                       result: StepResult) -> torch.Tensor:
+    def _drop_nan_rows(logits: torch.Tensor, maybe_nan: torch.Tensor, seq_ids: list[int],
+                       result: RunnerOutput) -> torch.Tensor:
         """A row with NaN would sample garbage: its sequence gets an error instead of a token."""
         if not bool(maybe_nan.any()):
             return logits
@@ -290,7 +217,7 @@ class ModelRunner:
         if not bool(nan_rows.any()):
             return logits
         for i in nan_rows.nonzero().flatten().tolist():
-            result.errors[seqs[i].seq_id] = RequestFailure("the model produced NaN logits for this request")
+            result.errors[seq_ids[i]] = RequestFailure("the model produced NaN logits for this request")
         return logits.masked_fill(nan_rows[:, None], 0.0)
 
     # --- decode routes ------------------------------------------------------------------------
@@ -343,92 +270,76 @@ class ModelRunner:
             except RuntimeError as err:  # sampling stays on eager launches, as without graphs
                 logger.warning("sampler CUDA graphs off: %s", err)
 
-    def _decode_logits(self, order, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
+    def _decode_logits(self, step: StepInput, ids, pos, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits of every row from a captured graph or the fused step when the step is all
         decodes and its route takes the batch, else None (the module forward runs)."""
-        if meta.num_decodes != len(order):
+        if meta.num_decodes != step.num_seqs or step.all_rows:
             return None
-        for seq, _ in order:
-            if seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
-                return None
         gr = self.graph_runner
-        if gr is not None and len(order) <= gr.max_batch:
+        if gr is not None and step.num_seqs <= gr.max_batch:
             self.route_counts["graph"] += 1
             return gr.run(ids, pos, meta)
-        step = self.decode_step
-        if step is not None and (step.max_batch is None or len(order) <= step.max_batch):
+        step_fn = self.decode_step
+        if step_fn is not None and (step_fn.max_batch is None or step.num_seqs <= step_fn.max_batch):
             self.route_counts["fused"] += 1
-            return step(ids, pos, meta)
+            return step_fn(ids, pos, meta)
         return None
 
-    def _rows_to_keep(self, order, rows: list[int], tokens: int) -> list[int] | None:
+    def _rows_to_keep(self, step: StepInput, rows: list[int], tokens: int) -> list[int] | None:
         """The hidden rows a step needs (those it samples from), where the model can drop the
         others before its last MLP: None when it cannot, when every row is needed (decode steps)
         or when a prompt's logprobs need them all."""
-        if not getattr(self.model, "keeps_rows", False) or len(set(rows)) == tokens:
-            return None
-        if any(seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens
-               for seq, _ in order):
+        if not getattr(self.model, "keeps_rows", False) or len(set(rows)) == tokens or step.all_rows:
             return None
         return sorted(set(rows))
 
-    def _prompt_logprobs(self, order, hidden, meta: AttentionMetadata, result: StepResult) -> None:
-        for i, (seq, n) in enumerate(order):
-            if seq.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens:
-                continue
-            start = seq.num_computed_tokens
-            # position p predicts token p + 1; report only prompt tokens not reported yet
-            # (a preempted sequence recomputes its prompt)
-            targets = [
-                p + 1 for p in range(start, start + n)
-                if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens
-            ]
-            if not targets:
-                continue
-            base = meta.query_start_loc[i] - start
-            idx = torch.tensor([base + t - 1 for t in targets], device=self.device)
+    def _prompt_logprobs(self, step: StepInput, hidden, meta: AttentionMetadata, result: RunnerOutput) -> None:
+        for req in step.prompt_logprobs:
+            base = meta.query_start_loc[req.index] - req.start
+            idx = torch.tensor([base + t - 1 for t in req.targets], device=self.device)
             lp = self.model.compute_logits(hidden[idx]).log_softmax(dim=-1)
-            k = seq.params.prompt_logprobs
+            k = req.k
             top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
-            actual = torch.tensor([seq.token_ids[t] for t in targets], device=self.device)
+            actual = torch.tensor(req.target_ids, device=self.device)
             chosen = lp.gather(1, actual[:, None]).squeeze(1)
             ranks = (lp > chosen[:, None]).sum(-1) + 1
-            result.prompt_logprobs[seq.seq_id] = [
+            result.prompt_logprobs[req.seq_id] = [
                 (ti[:k], tv[:k], c, r)
                 for ti, tv, c, r in zip(top_ids.tolist(), top_vals.tolist(), chosen.tolist(), ranks.tolist())
             ]
 
     @torch.inference_mode()
-    def last_logits(self, scheduled: list) -> tuple[list, torch.Tensor]:
-        """Logits at the last new token of each scheduled item, with the items in the order of
-        the rows (a draft model's steps; items need what :meth:`_prepare` reads of a sequence)."""
-        order, ids, pos, meta = self._prepare(scheduled)
-        logits = self._decode_logits(order, ids, pos, meta)
+    def last_logits(self, step: StepInput) -> torch.Tensor:
+        """Logits at the last new token of each sequence of ``step``, in its order (a draft
+        model's steps, which sample on their own)."""
+        ids, pos, meta = self.tensors(step)
+        logits = self._decode_logits(step, ids, pos, meta)
         if logits is not None:
-            return order, logits
-        rows = [meta.query_start_loc[i + 1] - 1 for i in range(len(order))]
-        keep = self._rows_to_keep(order, rows, ids.shape[0])
+            return logits
+        rows = [meta.query_start_loc[i + 1] - 1 for i in range(step.num_seqs)]
+        keep = self._rows_to_keep(step, rows, ids.shape[0])
         if keep is not None:
             hidden = self.model(ids, pos, self.kv_caches, meta, torch.tensor(keep, device=self.device))
         else:
             hidden = self.model(ids, pos, self.kv_caches, meta)[torch.tensor(rows, device=self.device)]
         self.route_counts["eager"] += 1
-        return order, self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def prompt_hidden_states(self, seq: Sequence, chunk: int) -> torch.Tensor:
-        """The model's final hidden states (after its last norm) at every position of an
-        already-allocated sequence, computed in chunks: what embeddings pool."""
+    def prompt_hidden_states(self, token_ids: list[int], block_table: list[int], chunk: int) -> torch.Tensor:
+        """The model's final hidden states (after its last norm) at every position of
+        ``token_ids``, whose blocks are allocated, computed in chunks: what embeddings pool."""
+        run = TokenRun(token_ids, 0, block_table)
         rows = []
-        while seq.num_computed_tokens < len(seq):
-            n = min(chunk, len(seq) - seq.num_computed_tokens)
-            _, ids, pos, meta = self._prepare([(seq, n)])
+        while run.num_computed_tokens < len(run):
+            n = min(chunk, len(run) - run.num_computed_tokens)
+            ids, pos, meta = self.tensors(prepare_batch([(run, n)], self.block_size)[1])
             # a copy: a one-token chunk takes the fused decode step, whose buffers are reused
             rows.append(self.model(ids, pos, self.kv_caches, meta).clone())
-            seq.num_computed_tokens += n
+            run.num_computed_tokens += n
         return torch.cat(rows)
 
     @torch.inference_mode()
-    def prompt_logits(self, seq: Sequence, chunk: int) -> torch.Tensor:
-        """Logits at every position of an already-allocated sequence, computed in chunks."""
-        return self.model.compute_logits(self.prompt_hidden_states(seq, chunk)).cpu()
+    def prompt_logits(self, token_ids: list[int], block_table: list[int], chunk: int) -> torch.Tensor:
+        """Logits at every position of ``token_ids``, whose blocks are allocated, in chunks."""
+        return self.model.compute_logits(self.prompt_hidden_states(token_ids, block_table, chunk)).cpu()

@@ -3,7 +3,7 @@ target model in the same step (see :mod:`.rejection_sampler`).
 
 The engine asks :class:`Speculator` for proposals before each step; the scheduler gives each
 proposing decode ``1 + k`` tokens of its budget and KV slots; the runner scores those rows in the
-flat batch and samples; the engine appends the accepted tokens and rolls back the rest
+flat batch and samples; the scheduler's update appends the accepted tokens and rolls back the rest
 (``num_computed_tokens``, and the blocks past the last token).
 """
 

@@ -12,29 +12,14 @@ draft's distribution at the request's temperature, kept for the rejection rule.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from tianxia.engine.sequence import Sequence
+from tianxia.engine.step_io import TokenRun, prepare_batch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _DraftInput:
-    """What the draft runner's batch builder reads of a sequence: its tokens so far (with the
-    drafts of this step), how many the draft's cache holds, and the target's block table."""
-
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    num_prompt_tokens: int = 0
-    prompt_logprobs: None = None
-    lora_slot: int = -1  # the draft proposes without adapters (verification keeps it exact)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
 
 
 def check_same_tokenizer(target, draft, target_vocab: int, draft_vocab: int, name: str) -> None:
@@ -102,15 +87,17 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence]) -> None:
         """Replace each sequence's ``spec_token_ids`` (k placeholders, k fixed by the scheduler)
         with k draft tokens, and set ``draft_probs`` for sampled requests."""
-        inputs = {s.seq_id: _DraftInput(list(s.token_ids), min(s.draft_num_computed, len(s) - 1), s.block_table,
-                                        s.num_prompt_tokens) for s in seqs}
+        # the draft proposes without adapters (verification keeps it exact): TokenRun's lora_slot -1
+        inputs = {s.seq_id: TokenRun(list(s.token_ids), min(s.draft_num_computed, len(s) - 1), s.block_table)
+                  for s in seqs}
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
         by_id = {s.seq_id: s for s in seqs}
         live = list(seqs)
         while live:
             items = [(inputs[s.seq_id], len(inputs[s.seq_id]) - inputs[s.seq_id].num_computed_tokens) for s in live]
-            order, logits = self.runner.last_logits(items)
+            order, step = prepare_batch(items, self.runner.block_size)
+            logits = self.runner.last_logits(step)
             rank = {id(x): i for i, (x, _) in enumerate(order)}
             rows = [rank[id(inputs[s.seq_id])] for s in live]
             logits = logits[torch.tensor(rows, device=logits.device)].float()
