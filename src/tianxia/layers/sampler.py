@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tianxia.layers.sampler_graphs import SamplerGraphs, batch_kind
+from tianxia.layers.sampler_graphs import SamplerGraphs, apply_min_p, batch_kind, draw
 
 
 class SampledRow(Protocol):
@@ -248,9 +248,6 @@ class SamplerOutput:
     dead_rows: list[int] = field(default_factory=list)
 
 
-_MASK64 = (1 << 64) - 1
-
-
 def _truncation(batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-k and top-p, disabled on greedy rows (their token is the argmax: there is
     no truncation to find) and wherever no row of the batch asks for it."""
@@ -267,24 +264,19 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
 
 
 def row_keys(rng: random.Random, seeds: list[int | None], steps: list[int]) -> torch.Tensor:
-    """[S, 2] int64: the two 32-bit halves of each row's noise key for this step: a seeded row's
-    from its seed and position (:func:`noise_key`), the others' from one fresh draw of ``rng``
-    spread over the rows (vectorized: a per-row Python draw costs a large batch 0.15 ms a step)."""
-    base = np.uint64(rng.getrandbits(64))
-    keys = _splitmix64(np.arange(1, len(seeds) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + base)
-    for i, seed in enumerate(seeds):
-        if seed is not None:
-            keys[i] = noise_key(seed, steps[i])
+    """[S, 2] int64: the two 32-bit halves of each row's noise key for this step, splitmix64 of
+    a seeded row's seed and position (so its draw is the same in any batch), of one fresh draw
+    of ``rng`` and the row's index for the others (vectorized: a per-row Python draw costs a large
+    batch 0.15 ms a step)."""
+    z = np.arange(1, len(seeds) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(rng.getrandbits(64))
+    seeded = [i for i, seed in enumerate(seeds) if seed is not None]
+    if seeded:
+        seed = np.array([seeds[i] for i in seeded], dtype=np.uint64)
+        step = np.array([steps[i] + 1 for i in seeded], dtype=np.uint64)
+        z[seeded] = seed * np.uint64(0x9E3779B97F4A7C15) + step * np.uint64(0xD1B54A32D192ED03)
+    keys = _splitmix64(z)
     halves = np.stack([keys & np.uint64(0xFFFFFFFF), keys >> np.uint64(32)], axis=1)
     return torch.from_numpy(halves.astype(np.int64))
-
-
-def noise_key(seed: int, step: int) -> int:
-    """A 64-bit key for a seeded row's noise at one position (splitmix64 of both)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 class Sampler:
@@ -340,20 +332,23 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if self.graphs is not None and self.samples_on_device(logits) and self.graphs.fits(logits):
+        if self.samples_on_device(logits):
+            # temperature and min-p as on the host path, then the truncation thresholds and the
+            # Gumbel-max draw in Triton (no sort, no host noise, no host sync): replayed from the
+            # sampler's graphs where there are some, launched otherwise
             top_k, top_p = _truncation(batch)
             numbers = torch.stack([batch.temperature, top_k.float(), top_p, batch.min_p])
             kind = batch_kind(top_k, batch.any_top_k, batch.any_top_p, batch.any_min_p, logits.shape[1])
             keys = row_keys(self.keys, batch.seeds, batch.steps)
-            return self.graphs.sample(logits, numbers, keys, kind).cpu()
+            if self.graphs is not None and self.graphs.fits(logits):
+                return self.graphs.sample(logits, numbers, keys, kind).cpu()
+            dev = logits.device
+            return draw(logits, numbers.to(dev, non_blocking=True), keys.to(dev, non_blocking=True), kind).cpu()
         greedy_cpu = batch.temperature == 0
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
         greedy_tokens = logits.argmax(dim=-1) if bool(greedy_cpu.any()) else None
-        if self.samples_on_device(logits):
-            tokens = self._sample_on_device(logits, batch)
-        else:
-            tokens = self.draw(self.probs(logits, batch), batch.generators)
+        tokens = self.draw(self.probs(logits, batch), batch.generators)
         if greedy_tokens is not None:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
@@ -367,31 +362,13 @@ class Sampler:
             self.device_kernels = logits.is_cuda and triton_available()
         return self.device_kernels
 
-    def _sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Temperature and min-p as on the host path, then the truncation thresholds and the
-        Gumbel-max draw in Triton: no sort, no host noise, no host sync."""
-        from tianxia.layers import triton_sampling
-
-        dev = logits.device
-        scaled = self.scaled(logits, batch)
-        thresholds = None
-        if batch.any_top_k or batch.any_top_p:
-            top_k, top_p = _truncation(batch)
-            thresholds = triton_sampling.truncation_thresholds(
-                scaled, top_k.to(dev, non_blocking=True), top_p.to(dev, non_blocking=True),
-                use_k=batch.any_top_k, use_p=batch.any_top_p, k_max=int(top_k.max()))
-        keys = row_keys(self.keys, batch.seeds, batch.steps)
-        return triton_sampling.gumbel_argmax(scaled, keys.to(dev, non_blocking=True), thresholds)
-
     @staticmethod
     def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Logits divided by each row's temperature, min-p's floor applied (in place)."""
         temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
         scaled = logits.div_(temp.to(logits.device)[:, None]) if bool((temp != 1).any()) else logits
         if batch.any_min_p:
-            # p < min_p * p_max where logit < max logit + log(min_p): no softmax needed (log 0 = -inf)
-            floor = scaled.amax(dim=-1, keepdim=True) + batch.min_p.to(logits.device).log()[:, None]
-            scaled.masked_fill_(scaled < floor, float("-inf"))
+            apply_min_p(scaled, batch.min_p.to(logits.device))
         return scaled
 
     @staticmethod

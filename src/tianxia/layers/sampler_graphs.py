@@ -45,6 +45,13 @@ def batch_kind(top_k: torch.Tensor, any_top_k: bool, any_top_p: bool, any_min_p:
     return BatchKind(width, any_top_p, any_min_p)
 
 
+def apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop (in place) the logits whose probability is below ``min_p`` times their row's largest:
+    p < min_p * p_max where logit < max logit + log(min_p), no softmax needed (log 0 = -inf)."""
+    floor = scaled.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    scaled.masked_fill_(scaled < floor, float("-inf"))
+
+
 def draw(logits: torch.Tensor, numbers: torch.Tensor, keys: torch.Tensor, kind: BatchKind) -> torch.Tensor:
     """[S] int64 tokens from [S, V] processed logits (scaled in place), ``numbers`` [4, S] float32
     (temperature, 0 for greedy rows; top-k, 0 for none; top-p; min-p; each row contiguous, as
@@ -58,9 +65,7 @@ def draw(logits: torch.Tensor, numbers: torch.Tensor, keys: torch.Tensor, kind: 
     greedy_tokens = logits.argmax(dim=-1)
     scaled = logits.div_(torch.where(greedy, 1.0, temp)[:, None])
     if kind.min_p:
-        # p < min_p * p_max where logit < max logit + log(min_p): no softmax needed (log 0 = -inf)
-        floor = scaled.amax(dim=-1, keepdim=True) + numbers[3].log()[:, None]
-        scaled.masked_fill_(scaled < floor, float("-inf"))
+        apply_min_p(scaled, numbers[3])
     thresholds = None
     if kind.k_width or kind.top_p:
         thresholds = triton_sampling.truncation_thresholds(
