@@ -271,8 +271,10 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_when_idle(ray_app,
         async def one_after_another(i: int) -> list:
             replies = []
             while not done.is_set():
+                # ignore_eos: a sampled reply may end early; every reply must run its 16 tokens
                 r = await client.completions.create(
-                    model=model, prompt=f"Load {i}: tell a long story.", max_tokens=16)
+                    model=model, prompt=f"Load {i}: tell a long story.", max_tokens=16,
+                    extra_body={"ignore_eos": True})
                 replies.append(r.usage.completion_tokens)
             return replies
 
