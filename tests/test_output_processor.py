@@ -30,9 +30,13 @@ def run_split(engine, rid: str, prompt: str, params: SamplingParams) -> tuple[Re
             delta = maker.delta(out)
             deltas.append(delta)
             result = processor.process(delta)
-            if result is not None and result[0].finished:
-                final = result[0]
-                if result[1]:  # ended here on a stop string: the engine is told to stop
+            if result is None:
+                continue
+            for index in result.stop_choices:  # one choice met a stop string: it stops alone
+                engine.stop_choice(rid, index)
+            if result.output.finished:
+                final = result.output
+                if result.stop_request:  # ended here on a stop string: the engine is told to stop
                     engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
     return final, deltas
@@ -70,6 +74,29 @@ def test_split_detokenization_matches_the_engines(smollm2_llm, params):
         assert sent[g.index][: len(g.token_ids)] == g.token_ids
 
 
+def test_a_choice_that_meets_a_stop_string_stops_in_the_engine(smollm2_llm):
+    """n > 1: once one choice has met a stop string on the API side the engine makes no more
+    tokens for it (and frees its blocks), while its siblings run on to their own ends."""
+    params = SamplingParams(temperature=0.9, max_tokens=32, n=4, seed=5, stop=[","],
+                            ignore_eos=True)
+    engine = smollm2_llm.engine
+    free_before = engine.block_manager.num_free_blocks
+    got, deltas = run_split(engine, "per-choice", PROMPT, params)
+    stopped = [c for c in got.outputs if c.finish_reason == "stop"]
+    assert stopped and len(stopped) < params.n  # the seed gives both kinds
+    made: dict[int, int] = {}
+    for d in deltas:
+        for c in d.choices:
+            made[c.index] = made.get(c.index, 0) + len(c.new_token_ids)
+    for c in got.outputs:
+        if c.finish_reason == "stop":
+            # the stop string ended it at a token of the step the API side saw it in
+            assert made[c.index] == len(c.token_ids) < params.max_tokens
+        else:
+            assert made[c.index] == len(c.token_ids) == params.max_tokens
+    assert engine.block_manager.num_free_blocks == free_before
+
+
 def test_stop_string_is_held_back_while_streaming(smollm2_llm):
     """While a choice runs, text that could still begin a stop string is not yet stable."""
     params = SamplingParams(temperature=0, max_tokens=24, stop=["Berlin is the capital"])
@@ -83,7 +110,7 @@ def test_stop_string_is_held_back_while_streaming(smollm2_llm):
             result = processor.process(maker.delta(out))
             if result is None:
                 continue
-            (c,) = result[0].outputs
+            (c,) = result.output.outputs
             assert c.stable_len <= max(0, len(c.text) - len(params.stop_strings[0]) + 1) or \
                 c.finish_reason is not None
             streamed += c.text[len(streamed): c.stable_len]

@@ -364,15 +364,25 @@ class EngineClient:
                 else:
                     if result is None:
                         continue
-                    item, stop_engine = result
-                    if stop_engine:  # its choices all met stop strings here
+                    item = result.output
+                    if result.stop_request:  # its choices all met stop strings here
                         self._stop_in_engine(
                             rid, "stop", sum(len(c.token_ids) for c in item.outputs))
+                    for index in result.stop_choices:  # n > 1: the others run on
+                        self._stop_choice_in_engine(rid, index)
             else:
                 processor.remove(rid)
             if isinstance(item, BaseException) or item.finished:
                 stream.finished = True
             stream.queue.put_nowait(item)
+
+    def _stop_choice_in_engine(self, rid: str, index: int) -> None:
+        """Stop one choice of a request whose other choices run on (it met a stop string here),
+        so the engine spends no more steps or KV blocks on it."""
+        try:
+            self._send(("stop_choice", rid, index))
+        except EngineDeadError:
+            pass
 
     def _stop_in_engine(self, rid: str, reason: str = "abort", num_tokens: int | None = None) -> None:
         """Abort a request the API side ended; ``reason`` and ``num_tokens`` (the tokens its
@@ -625,6 +635,9 @@ class AsyncLLMEngine(EngineClient):
                     self.engine.abort_request(rid)
                     logger.debug("aborted %s", rid)
                 self._finish_aborted(rid, time.monotonic(), *cmd[2:])
+            elif kind == "stop_choice":  # ("stop_choice", rid, index)
+                if cmd[1] in self.engine.requests:
+                    self.engine.stop_choice(cmd[1], cmd[2])
             elif kind == "call":
                 _, fn, fut = cmd
                 if not fut.set_running_or_notify_cancel():

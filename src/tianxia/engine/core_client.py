@@ -361,6 +361,10 @@ class EngineCoreClient(EngineClient):
             if core is not None:
                 core.requests.discard(command[1])
                 core.inp.send(msgs.encoder.encode(command))
+        elif command[0] == "stop_choice":
+            core = self._owner.get(command[1])
+            if core is not None:
+                core.inp.send(msgs.encoder.encode(command))
 
     async def utility(self, name: str, *args: Any) -> Any:
         """Run on every core (each has its own cache); core 0's result is returned."""

@@ -3,7 +3,8 @@
 Only data crosses: request ids, prompts (token ids, text), sampling parameters as their fields,
 new token ids, finish reasons, statistics; never text the core decoded (it decodes none: see
 ``output_processor``). To the core, plain tuples (``("add", rid, prompt, params, arrival,
-adapter, client)``, ``("abort", rid[, finish reason, generated tokens])``, ``("utility", call_id,
+adapter, client)``, ``("abort", rid[, finish reason, generated tokens])``, ``("stop_choice",
+rid, index)`` (one choice of ``n > 1`` met a stop string), ``("utility", call_id,
 name, args, client)``, ``("shutdown",)``; ``client`` is the sending API process's index, where the
 core sends the answer); from the core, the tagged structs below, decoded into their types by one
 typed decoder.

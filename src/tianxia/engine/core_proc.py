@@ -117,6 +117,8 @@ class EngineCore(AsyncLLMEngine):
         elif kind == "abort":  # ("abort", rid[, finish reason, generated tokens])
             self._client_of.pop(message[1], None)  # whatever it still produces goes nowhere
             self._commands.put(tuple(message))
+        elif kind == "stop_choice":  # ("stop_choice", rid, index): one choice of n > 1
+            self._commands.put(tuple(message))
         elif kind == "utility":
             _, call_id, name, args, client = message
             fut = concurrent.futures.Future()

@@ -448,6 +448,14 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
 
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """Finish one choice of an ``n > 1`` request with ``finish_reason="stop"`` (the API side
+        met a stop string in its text) and free its blocks; its siblings run on."""
+        for seq in self.requests.get(request_id, []):
+            if seq.index == index and not seq.is_finished and not seq.pending_forks:
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -6,7 +6,8 @@ engine's own outputs). Text is the API side's business, as in vLLM V1's ``Output
 :class:`OutputProcessor` keeps each request's choices, runs their incremental detokenizers and
 stop strings, and hands the server cumulative :class:`RequestOutput` snapshots whose
 ``stable_len`` says how much of the text a stream may send. A choice that meets a stop string
-finishes here; once all of a request's choices have, the caller aborts it in the engine.
+finishes here, and the caller tells the engine to stop that choice (``n > 1``: its siblings run
+on) or, once all of a request's choices have, the whole request.
 
 The engine runs requests with ``stop`` removed and ``detokenize`` off (:func:`engine_params`), so
 an engine core never decodes text. The same code serves an engine on a thread of this process and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -128,6 +130,14 @@ class _Request:
     choices: dict[int, _Choice] = field(default_factory=dict)
 
 
+class Processed(NamedTuple):
+    """What :meth:`OutputProcessor.process` made of a delta."""
+
+    output: RequestOutput
+    stop_request: bool  # every choice met a stop string here: the engine must stop the request
+    stop_choices: list[int]  # choices (not all) that met a stop string in this delta
+
+
 class OutputProcessor:
     """API side: one entry per request in flight, fed its :class:`RequestDelta` s."""
 
@@ -144,9 +154,10 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def process(self, delta: RequestDelta) -> tuple[RequestOutput, bool] | None:
-        """The request's snapshot after ``delta``, and whether the engine must still be told to
-        stop it (its choices all finished here, on stop strings, before the engine finished it).
+    def process(self, delta: RequestDelta) -> Processed | None:
+        """The request's snapshot after ``delta``, and what the engine must still be told to
+        stop: the request (its choices all finished here, on stop strings, before the engine
+        finished it) or single choices that did while their siblings run on.
         None for a request that is no longer tracked (finished here; the engine's last steps).
         A detokenizer that raises propagates; the caller fails that request alone."""
         req = self._requests.get(delta.request_id)
@@ -156,12 +167,15 @@ class OutputProcessor:
             req.prompt, req.prompt_token_ids = delta.prompt, delta.prompt_token_ids
             req.prompt_logprobs = delta.prompt_logprobs
         req.num_cached_tokens = delta.num_cached_tokens
+        stopped_here = []
         for d in delta.choices:
             choice = req.choices.get(d.index)
             if choice is None:
                 choice = req.choices[d.index] = self._new_choice(req)
             if choice.finish_reason is None:
                 self._advance(req, choice, d)
+                if choice.finish_reason is not None and d.finish_reason is None:
+                    stopped_here.append(d.index)
         all_done = len(req.choices) == req.params.n and all(
             c.finish_reason is not None for c in req.choices.values())
         finished = delta.finished or all_done
@@ -171,7 +185,8 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs, num_cached_tokens=req.num_cached_tokens)
         if finished:
             del self._requests[delta.request_id]
-        return out, finished and not delta.finished
+        stop_request = finished and not delta.finished
+        return Processed(out, stop_request, [] if finished else stopped_here)
 
     def _new_choice(self, req: _Request) -> _Choice:
         p = req.params
