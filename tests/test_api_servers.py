@@ -166,6 +166,8 @@ def test_api_server_count_flags_are_one_line_errors():
         (["--api-server-count", "0"], "--api-server-count must be at least 1"),
         (["--api-server-count", "2", "--engine-core", "thread"],
          "--api-server-count needs --engine-core process"),
+        (["--api-server-count", "2", "--enable-lora", "--allow-runtime-lora-updating"],
+         "--allow-runtime-lora-updating does not combine with --api-server-count"),
     ]:
         r = subprocess.run([sys.executable, "-m", "tianxia.cli", "serve", MODEL, *flags],
                            capture_output=True, text=True, timeout=120, check=False)
