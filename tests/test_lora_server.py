@@ -212,9 +212,11 @@ def test_two_api_processes_list_and_route_the_start_up_adapters(setup, client):
 
     def via_fresh_connection(name: str, ids: list[int]) -> tuple[int, str]:
         """Which API process answered (a new connection each time, so either may) and its text."""
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300) as c:
             raw = c.completions.with_raw_response.create(
-                model=name, prompt=ids, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+                model=name, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True})
         return int(raw.headers["x-tianxia-api-server-pid"]), raw.parse().choices[0].text
 
     with ServerProcess([*server_args(model_dir, adapters), "--api-server-count", "2",
@@ -224,11 +226,13 @@ def test_two_api_processes_list_and_route_the_start_up_adapters(setup, client):
         listed: dict[int, dict[str, str | None]] = {}
         for _ in range(40):
             r = httpx.get(srv.url + "/v1/models", timeout=60)
-            listed[int(r.headers["x-tianxia-api-server-pid"])] = {m["id"]: m["parent"] for m in r.json()["data"]}
+            cards = {m["id"]: m["parent"] for m in r.json()["data"]}
+            listed[int(r.headers["x-tianxia-api-server-pid"])] = cards
             if len(listed) == 2:
                 break
         assert set(listed) == apis
-        assert all(cards == {BASE_NAME: None, "qv": BASE_NAME, "all": BASE_NAME} for cards in listed.values())
+        want = {BASE_NAME: None, "qv": BASE_NAME, "all": BASE_NAME}
+        assert all(cards == want for cards in listed.values()), listed
 
         # a mixed batch, concurrent, over both processes and both cores
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
