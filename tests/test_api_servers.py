@@ -1,9 +1,11 @@
-"""``tianxia serve --api-server-count 2``: two API processes on one port, one engine core.
+"""``tianxia serve --api-server-count 2``: two API processes on one port, one engine core or two
+(``--data-parallel-size 2``).
 
 Real processes and the ``openai`` client: concurrent requests get the offline engine's greedy
 text, both API processes answer (each names its pid in a response header), ``/metrics`` from
-either counts every request, and the process tree goes away as a whole: a SIGKILLed API process
-takes the server down with status 1, a SIGKILLed supervisor leaves no process and no bound port.
+either counts every request (and, with two cores, each core's tokens), and the process tree goes
+away as a whole: a SIGKILLed API process takes the server down with status 1, a SIGKILLed
+supervisor leaves no process and no bound port.
 """
 
 from __future__ import annotations
@@ -113,6 +115,49 @@ def test_sigkilled_supervisor_takes_every_process_along():
         srv.stop()
 
 
+def test_two_api_servers_in_front_of_two_data_parallel_cores(offline_texts):
+    srv = ServerProcess([*API_ARGS, "--data-parallel-size", "2", "--threads", "1"]).start()
+    try:
+        apis, cores = api_pids(srv), core_pids(srv)
+        assert len(apis) == 2 and len(cores) == 2
+        assert all(alive(p) for p in (*apis, *cores))
+
+        results: dict[int, list[str]] = {}
+
+        def batch(k: int) -> None:  # concurrent requests through both processes, to both cores
+            results[k] = greedy_texts(srv.url)
+
+        threads = [threading.Thread(target=batch, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(texts == offline_texts for texts in results.values())
+        assert answering_pids(srv.url) == set(apis)
+
+        # each core's own series reach every API process (the cores send their statistics to
+        # all of them), so one scrape shows that both cores generated
+        def tokens_per_core() -> list[float]:
+            text = httpx.get(srv.url + "/metrics").text
+            return [metric(text, "tianxia:engine_generation_tokens_total", model_name=MODEL,
+                           engine=str(i)) or 0 for i in (0, 1)]
+
+        wait_until(lambda: all(n > 0 for n in tokens_per_core()), 10, "both cores generated")
+
+        pids = [*apis, *cores]
+        srv.signal(signal.SIGKILL)
+        srv.wait(10)
+        wait_until(lambda: not any(alive(p) for p in pids), 10, "no orphan left")
+        # nothing listens on the port (the connections the dead processes held linger in
+        # TIME_WAIT, which a server's SO_REUSEADDR bind ignores)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((srv.host, srv.port))
+            s.listen()
+    finally:
+        srv.stop()
+
+
 def test_api_server_count_flags_are_one_line_errors():
     import subprocess
     import sys
@@ -121,6 +166,8 @@ def test_api_server_count_flags_are_one_line_errors():
         (["--api-server-count", "0"], "--api-server-count must be at least 1"),
         (["--api-server-count", "2", "--engine-core", "thread"],
          "--api-server-count needs --engine-core process"),
+        (["--api-server-count", "2", "--enable-lora", "--allow-runtime-lora-updating"],
+         "--allow-runtime-lora-updating does not combine with --api-server-count"),
     ]:
         r = subprocess.run([sys.executable, "-m", "tianxia.cli", "serve", MODEL, *flags],
                            capture_output=True, text=True, timeout=120, check=False)

@@ -19,6 +19,31 @@ def test_run_streams_text_and_prints_timings(smollm2_path):
     assert "prompt eval:" in r.stderr and "tokens/s" in r.stderr
 
 
+def test_run_streams_the_offline_engines_text_and_ends_at_a_stop_string(smollm2_llm):
+    """What ``tianxia run`` streams (the server's path: text and stop strings on the API side,
+    each write up to the output's stable_len) is ``LLM.generate``'s text, with a stop string too."""
+    from tianxia import SamplingParams
+
+    prompt = "The capital of France is"
+    args = ["run", "-m", "smollm2-135m", "-p", prompt, "-n", "24", "--temp", "0",
+            "--cpu-activations", "float32"]
+    full = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24),
+                                use_tqdm=False)[0].outputs[0].text
+    r = _run(args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + full
+    # a stop string of several characters, in the middle of the reply: held back while it could
+    # still be one, then cut off
+    stop = next(w for w in full.split()[1:] if len(w) >= 4)
+    want = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                                use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop" and want.text == full[: full.index(stop)]
+    r = _run([*args, "--stop", stop])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + want.text
+    assert f"generation:  {len(want.token_ids)} tokens" in r.stderr
+
+
 def test_run_unknown_model_is_one_line_error():
     r = _run(["run", "-m", "nope-model", "-p", "hi"])
     assert r.returncode == 1

@@ -2,7 +2,8 @@
 request's ``model`` picks the adapter, tokens and logprobs equal ``transformers`` + ``peft``
 (float32) with the base and three adapters mixed in concurrent requests, runtime load and
 unload, ``/v1/models`` and ``/metrics``, and the bad-input cases (404 for an unknown adapter, 400
-for a bad one, a start-up error naming the file), the server serving on after each."""
+for a bad one, a start-up error naming the file), the server serving on after each; two API
+processes (``--api-server-count 2``) that each list and route the start-up adapters."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from helpers import make_adapter, reference
 from transformers import AutoModelForCausalLM
 
 from tianxia.server.testing import ServerProcess, metric
+
+from test_api_servers import api_pids
 
 NEW_TOKENS = 6
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "The capital of France is"]
@@ -40,16 +43,19 @@ def setup(tiny_models, tmp_path_factory):
     return tiny_models["llama"], base, adapters
 
 
+def server_args(model_dir, adapters) -> list[str]:
+    return [
+        str(model_dir), "--served-model-name", BASE_NAME, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+        "--cpu-activations", "float32", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
+        "--lora-modules", f"qv={adapters['qv']}", json.dumps({"name": "all", "path": str(adapters["all"]),
+                                                             "base_model_name": BASE_NAME}),
+    ]
+
+
 @pytest.fixture(scope="module")
 def server(setup):
     model_dir, _, adapters = setup
-    srv = ServerProcess([
-        str(model_dir), "--served-model-name", BASE_NAME, "--kv-cache-memory", "64MiB", "--max-model-len", "256",
-        "--cpu-activations", "float32", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
-        "--allow-runtime-lora-updating",
-        "--lora-modules", f"qv={adapters['qv']}", json.dumps({"name": "all", "path": str(adapters["all"]),
-                                                             "base_model_name": BASE_NAME}),
-    ])
+    srv = ServerProcess([*server_args(model_dir, adapters), "--allow-runtime-lora-updating"])
     srv.start()
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
@@ -191,3 +197,58 @@ def test_runtime_load_reaches_every_data_parallel_core_and_matches_peft(setup):
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "all", "lora_path": str(adapters["qv"])})
         assert r.status_code == 200, r.text
         assert complete(client, "all", jobs[0])[0] == tokenizer.decode(greedy(base, adapters["qv"], jobs[0])[0])
+
+
+def test_two_api_processes_list_and_route_the_start_up_adapters(setup, client):
+    """Each API process reads the adapters from the cores' start-up facts, lists them and routes
+    by ``model``; the greedy text equals the one-process server's (itself checked against peft
+    above)."""
+    model_dir, _, adapters = setup
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    jobs = [(name, tokenizer.encode(p)) for name in (BASE_NAME, "qv", "all") for p in PROMPTS]
+    expected = {(name, tuple(ids)): complete(client, name, ids)[0] for name, ids in jobs}
+
+    def via_fresh_connection(name: str, ids: list[int]) -> tuple[int, str]:
+        """Which API process answered (a new connection each time, so either may) and its text."""
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300) as c:
+            raw = c.completions.with_raw_response.create(
+                model=name, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True})
+        return int(raw.headers["x-tianxia-api-server-pid"]), raw.parse().choices[0].text
+
+    with ServerProcess([*server_args(model_dir, adapters), "--api-server-count", "2",
+                        "--data-parallel-size", "2", "--threads", "1"]) as srv:
+        apis = set(api_pids(srv))
+        assert len(apis) == 2
+        listed: dict[int, dict[str, str | None]] = {}
+        for _ in range(40):
+            r = httpx.get(srv.url + "/v1/models", timeout=60)
+            cards = {m["id"]: m["parent"] for m in r.json()["data"]}
+            listed[int(r.headers["x-tianxia-api-server-pid"])] = cards
+            if len(listed) == 2:
+                break
+        assert set(listed) == apis
+        want = {BASE_NAME: None, "qv": BASE_NAME, "all": BASE_NAME}
+        assert all(cards == want for cards in listed.values()), listed
+
+        # a mixed batch, concurrent, over both processes and both cores
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda job: via_fresh_connection(*job), jobs))
+        for (name, ids), (_, text) in zip(jobs, results):
+            assert text == expected[(name, tuple(ids))], name
+        # and each process routes each adapter
+        ids = jobs[0][1]
+        for name in ("qv", "all"):
+            answered: set[int] = set()
+            for _ in range(40):
+                pid, text = via_fresh_connection(name, ids)
+                assert text == expected[(name, tuple(ids))], (name, pid)
+                answered.add(pid)
+                if answered == apis:
+                    break
+            assert answered == apis, name
+        with pytest.raises(openai.NotFoundError):
+            via_fresh_connection("no-such-adapter", ids)

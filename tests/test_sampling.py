@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tianxia import LLM, BeamSearchParams, SamplingParams
+from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, engine_params
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p
 
@@ -354,17 +355,24 @@ def test_streamed_multibyte_text_is_never_broken(smollm2_llm):
     prompts = ["你好，世界！我们今天学习中文。你好，世界！", "🙂🚀🎉 emoji party 🙂🚀🎉 more emoji:", "naïve café — déjà vu"]
     non_ascii = 0
     for i, prompt in enumerate(prompts):
-        rid = f"mb-{i}"
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        seq = engine.requests[rid][0]
-        deltas = []
-        while not seq.is_finished:
-            engine.step()
-            deltas.append(seq.detok.delta(seq.is_finished))
+        # streamed as the server and the CLI stream: text from the API-side OutputProcessor, each
+        # delta the text up to the output's stable_len
+        rid, params = f"mb-{i}", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+        processor.add(rid, params)
+        engine.add_request(rid, prompt, engine_params(params))
+        deltas: list[str] = []
+        printed = 0
+        while engine.has_unfinished_requests():
+            for step_out in engine.step():
+                (out,) = processor.process(maker.delta(step_out))[0].outputs
+                deltas.append(out.text[printed:out.stable_len])
+                printed = out.stable_len
         full = "".join(deltas)
-        assert full == seq.detok.text == tok.decode(seq.output_token_ids, skip_special_tokens=True)
+        assert out.finish_reason == "length"
+        assert full == out.text == tok.decode(out.token_ids, skip_special_tokens=True)
         # a replacement character may only appear where the model's bytes really are invalid UTF-8
-        assert full.count("\ufffd") == tok.decode(seq.output_token_ids).count("\ufffd")
+        assert full.count("\ufffd") == tok.decode(out.token_ids).count("\ufffd")
         if "\ufffd" not in full:
             assert all("\ufffd" not in d for d in deltas), deltas
         non_ascii += sum(ord(c) > 127 for c in full)

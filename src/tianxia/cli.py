@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from tianxia import __version__
 from tianxia.config import (
@@ -19,6 +20,10 @@ from tianxia.config import (
     kv_cache_dtype_from_args,
     speculative_from_args,
 )
+
+if TYPE_CHECKING:
+    from tianxia import SamplingParams
+    from tianxia.outputs import RequestOutput
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -40,6 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the reply where TEXT appears (not printed); repeat for several")
     p.add_argument("--chat-template", default=None, help="Jinja chat template overriding the model's")
     p.add_argument("--log-level", default="warning", help="debug, info, warning, error")
     p.add_argument("--lora", action="append", default=[], metavar="PATH",
@@ -99,31 +106,50 @@ def _lora_request(llm, args: argparse.Namespace):
     return LoRARequest("cli")
 
 
-def _params(args: argparse.Namespace, max_tokens: int):
+def _params(args: argparse.Namespace, max_tokens: int | None) -> SamplingParams:
     from tianxia import SamplingParams
 
     return SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, stop=args.stop or None,
     )
 
 
-def _stream(llm, prompt, params, lora=None) -> tuple[int, int, float, float]:
-    """Generate one request, writing text to stdout as it comes; returns token counts and times."""
+def _stream(llm, prompt, params: SamplingParams, lora=None) -> tuple[RequestOutput, float | None]:
+    """Generate one request, writing its text to stdout as it comes; returns the final output and
+    when its first token came.
+
+    The text is made as the server makes it, by one path: the engine runs the request for tokens
+    only (``engine_params``), an ``OutputProcessor`` turns them into text and ends it at a stop
+    string, and only the text up to the output's ``stable_len`` (none of a held-back stop string
+    or unfinished character) is written."""
+    from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, engine_params
+
     engine = llm.engine
     rid = f"cli-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
-    engine.add_request(rid, prompt, params, lora)
-    seq = engine.requests[rid][0]
-    t_first = None
-    while engine.has_unfinished_requests():
-        engine.step()
-        if t_first is None and seq.num_output_tokens:
-            t_first = time.perf_counter()
-        sys.stdout.write(seq.detok.delta(seq.is_finished))
-        sys.stdout.flush()
-    t_end = time.perf_counter()
-    return seq.num_prompt_tokens, seq.num_output_tokens, (t_first or t_end) - t0, t_end - (t_first or t_end)
+    processor, deltas = OutputProcessor(engine.tokenizer), DeltaMaker()
+    processor.add(rid, params)
+    engine.add_request(rid, prompt, engine_params(params), lora)
+    final, t_first, printed = None, None, 0
+    while final is None:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("the engine finished without the request's last output")
+        for out in engine.step():
+            processed = processor.process(deltas.delta(out))
+            if processed is None:
+                continue
+            output, stop_in_engine = processed[0], processed[1]
+            if stop_in_engine:  # a stop string ended it here; the engine would run on
+                engine.abort_request(rid)
+            (choice,) = output.outputs
+            if t_first is None and choice.token_ids:
+                t_first = time.perf_counter()
+            sys.stdout.write(choice.text[printed:choice.stable_len])
+            sys.stdout.flush()
+            printed = max(printed, choice.stable_len)
+            if output.finished:
+                final = output
+    return final, t_first
 
 
 def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float, speculator=None) -> None:
@@ -155,8 +181,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(prompt, end="", flush=True)
     n = args.n_predict if args.n_predict and args.n_predict > 0 else None
-    timings = _stream(llm, prompt, _params(args, n), _lora_request(llm, args))
-    _print_timings(*timings, llm.engine.speculator)
+    t0 = time.perf_counter()
+    out, t_first = _stream(llm, prompt, _params(args, n), _lora_request(llm, args))
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    _print_timings(len(out.prompt_token_ids), len(out.outputs[0].token_ids), t_first - t0,
+                   t_end - t_first, llm.engine.speculator)
     return 0
 
 
@@ -183,16 +213,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = llm.apply_chat_template(messages)
         params = _params(args, args.n_predict if args.n_predict and args.n_predict > 0 else None)
-        engine = llm.engine
-        rid = f"chat-{time.monotonic_ns()}"
-        engine.add_request(rid, {"prompt_token_ids": ids}, params, lora)
-        seq = engine.requests[rid][0]
-        while engine.has_unfinished_requests():
-            engine.step()
-            sys.stdout.write(seq.detok.delta(seq.is_finished))
-            sys.stdout.flush()
+        out, _ = _stream(llm, {"prompt_token_ids": ids}, params, lora)
         print()
-        messages.append({"role": "assistant", "content": seq.detok.text})
+        messages.append({"role": "assistant", "content": out.outputs[0].text})
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

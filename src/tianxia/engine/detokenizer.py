@@ -34,7 +34,6 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.skip_special = skip_special_tokens
         self.stop_hold = max((len(s) for s in stop), default=1) - 1
-        self.streamed = 0  # characters of ``text`` already handed out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -77,10 +76,3 @@ class IncrementalDetokenizer:
         if finished or not self.stop:
             return len(self.text)
         return max(0, len(self.text) - self.stop_hold)
-
-    def delta(self, finished: bool) -> str:
-        """Text not yet streamed, up to :meth:`stable_len`."""
-        end = max(self.streamed, self.stable_len(finished))
-        out = self.text[self.streamed : end]
-        self.streamed = end
-        return out

@@ -35,7 +35,8 @@ _WAIT_S = 1.0
 
 
 def check_api_server_args(args: argparse.Namespace, several_models: bool) -> None:
-    """What ``--api-server-count`` combines with (one model in engine core processes)."""
+    """What ``--api-server-count`` combines with: one model in engine core processes, its LoRA
+    adapters given at start (every API process reads them from the cores' start-up facts)."""
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be at least 1")
     if args.api_server_count == 1:
@@ -45,9 +46,15 @@ def check_api_server_args(args: argparse.Namespace, several_models: bool) -> Non
                          "NAME=... or --models-dir")
     if args.engine_core == "thread":
         raise ValueError("--api-server-count needs --engine-core process")
-    if args.enable_lora or args.tensor_parallel_size > 1:
-        raise ValueError("--api-server-count does not combine with --enable-lora or "
-                         "--tensor-parallel-size (their engine runs on a thread of the server)")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--api-server-count does not combine with --tensor-parallel-size (its "
+                         "engine runs on a thread of the server)")
+    if args.allow_runtime_lora_updating:
+        # as vLLM: each API process keeps its own list of the adapters served, and a load or
+        # unload reaches one of them only
+        raise ValueError("--allow-runtime-lora-updating does not combine with --api-server-count "
+                         "(an adapter loaded at run time would be known to one API process "
+                         "only); give the adapters at start with --lora-modules")
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
