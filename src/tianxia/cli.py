@@ -138,8 +138,8 @@ def _stream(llm, prompt, params: SamplingParams, lora=None) -> tuple[RequestOutp
             processed = processor.process(deltas.delta(out))
             if processed is None:
                 continue
-            output, stop_in_engine = processed[0], processed[1]
-            if stop_in_engine:  # a stop string ended it here; the engine would run on
+            output = processed.output
+            if processed.stop_request:  # a stop string ended it here; the engine would run on
                 engine.abort_request(rid)
             (choice,) = output.outputs
             if t_first is None and choice.token_ids:
