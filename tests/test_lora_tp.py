@@ -21,11 +21,12 @@ import openai
 import pytest
 import torch
 from helpers import make_adapter, make_tiny_hf_model
-from test_lora import ADAPTERS, PROMPTS, check_against_peft, generate_mixed
+from test_lora import ADAPTERS, NEW_TOKENS, PROMPTS, check_against_peft, generate_mixed
 from test_lora_server import complete, greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tianxia import LLM
+from tianxia import LLM, SamplingParams
+from tianxia.engine.lora_manager import LoRARequest
 from tianxia.server.testing import ServerProcess
 
 # head layouts of a tiny llama: KV heads split evenly, unevenly, replicated
@@ -81,6 +82,14 @@ def test_base_and_three_adapters_in_one_batch_tp2_match_peft_and_tp1(shape, smol
         for la, lb in zip(ca.logprobs, cb.logprobs, strict=True):
             assert la.keys() == lb.keys()
             assert all(abs(la[t].logprob - lb[t].logprob) < LOGPROB_TOL for t in la), (shape, a.prompt)
+
+    # a row's products do not depend on its batch on any rank: one job alone, its decode steps
+    # batches of one, gives the bits it got among the sixteen
+    alone = llm.generate({"prompt_token_ids": tp2[-1].prompt_token_ids}, SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True), use_tqdm=False,
+        lora_request=LoRARequest("mlp", 3, str(adapters["mlp"])))[0].outputs[0]
+    assert alone.token_ids == tp2[-1].outputs[0].token_ids
+    assert alone.logprobs == tp2[-1].outputs[0].logprobs
 
     workers = llm.engine.runner.model.workers.procs
     del llm, state, begin

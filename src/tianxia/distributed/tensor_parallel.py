@@ -166,6 +166,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         conn.send(("started", None))
         _init_group(rank, world_size, init_method, device)
         loaded = _load_shard(config, rank, world_size, dtype, device)
+        if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
+            from tianxia.layers.linear import use_row_invariant_linears
+
+            use_row_invariant_linears(loaded.model)
         runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
         if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
             runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
