@@ -2,9 +2,10 @@
 holds its shard of every adapter. The base and three adapters mixed in one batch at TP=2 give the
 greedy tokens and logprobs of ``transformers`` + ``peft`` (float32) and of TP=1, on tiny llamas
 whose KV heads split evenly (2 over 2 ranks), unevenly (3: 2 and 1) and are replicated (1 on
-both ranks). Then ``tianxia serve -tp 2`` through the ``openai`` client: a start-up adapter, one
-loaded at run time and unloaded, the same clear errors as with one rank, and no worker left
-once the server has stopped.
+both ranks). Adapters evicted from memory leave every rank and come back whole. Then
+``tianxia serve -tp 2`` through the ``openai`` client: a start-up adapter, one loaded at run
+time and unloaded, the same clear errors as with one rank, and no worker left once the server
+has stopped.
 """
 
 from __future__ import annotations
@@ -95,6 +96,28 @@ def test_base_and_three_adapters_in_one_batch_tp2_match_peft_and_tp1(shape, smol
     del llm, state, begin
     gc.collect()  # stops rank 1 and ends the process group, so the next engine can start one
     assert not any(p.is_alive() for p in workers)
+
+
+def test_evicted_adapters_leave_and_come_back_on_every_rank(smollm2_tokenizer_dir, tmp_path):
+    """One adapter held at a time (--max-cpu-loras 1): each new one drops the last from every
+    rank, and one read again gives the tokens and logprobs it gave the first time."""
+    model_dir = make_tiny_hf_model("llama", tmp_path / "model", smollm2_tokenizer_dir, **SHAPES["uneven"])
+    _, adapters = _adapters(model_dir, tmp_path)
+    llm = LLM(str(model_dir), tensor_parallel_size=2, threads=2, kv_cache_memory="32MiB", max_model_len=256,
+              cpu_activations="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True)
+    requests = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+
+    def run(lora: LoRARequest):
+        out = llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=lora)[0].outputs[0]
+        return out.token_ids, out.logprobs
+
+    first = [run(r) for r in requests]
+    assert len({tuple(tokens) for tokens, _ in first}) == len(requests)  # the adapters differ
+    assert [run(r) for r in reversed(requests)] == first[::-1]
+    assert len(llm.engine.lora_manager.state.slots) == 1
+    del llm
+    gc.collect()
 
 
 def test_serve_tp2_loads_adapters_at_run_time_and_leaves_no_worker(smollm2_tokenizer_dir, tmp_path):
