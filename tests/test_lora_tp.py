@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tianxia import LLM, SamplingParams
 from tianxia.engine.lora_manager import LoRARequest
+from tianxia.layers.lora import LoRAError
 from tianxia.server.testing import ServerProcess
 
 # head layouts of a tiny llama: KV heads split evenly, unevenly, replicated
@@ -98,11 +99,16 @@ def test_base_and_three_adapters_in_one_batch_tp2_match_peft_and_tp1(shape, smol
     assert not any(p.is_alive() for p in workers)
 
 
-def test_evicted_adapters_leave_and_come_back_on_every_rank(smollm2_tokenizer_dir, tmp_path):
+def test_evicted_adapters_come_back_and_bad_ones_are_the_one_rank_errors(smollm2_tokenizer_dir, tmp_path):
     """One adapter held at a time (--max-cpu-loras 1): each new one drops the last from every
-    rank, and one read again gives the tokens and logprobs it gave the first time."""
+    rank, and one read again gives the tokens and logprobs it gave the first time. A bad adapter
+    is checked against the whole model, with the error one rank gives."""
     model_dir = make_tiny_hf_model("llama", tmp_path / "model", smollm2_tokenizer_dir, **SHAPES["uneven"])
-    _, adapters = _adapters(model_dir, tmp_path)
+    base, adapters = _adapters(model_dir, tmp_path)
+    high_rank = make_adapter(base, tmp_path / "r32", 3, r=32, lora_alpha=32, target_modules=["q_proj"])
+    narrow_dir = make_tiny_hf_model("llama", tmp_path / "narrow", smollm2_tokenizer_dir)
+    narrow = AutoModelForCausalLM.from_pretrained(str(narrow_dir), dtype=torch.float32)
+    other_base = make_adapter(narrow, tmp_path / "narrow-qv", 0, r=4, target_modules=["q_proj", "v_proj"])
     llm = LLM(str(model_dir), tensor_parallel_size=2, threads=2, kv_cache_memory="32MiB", max_model_len=256,
               cpu_activations="float32", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True)
@@ -116,6 +122,15 @@ def test_evicted_adapters_leave_and_come_back_on_every_rank(smollm2_tokenizer_di
     assert len({tuple(tokens) for tokens, _ in first}) == len(requests)  # the adapters differ
     assert [run(r) for r in reversed(requests)] == first[::-1]
     assert len(llm.engine.lora_manager.state.slots) == 1
+
+    for i, (path, words) in enumerate({high_rank: "above --max-lora-rank 8",
+                                       other_base: "another base model"}.items()):
+        with pytest.raises(LoRAError, match=words) as err:
+            llm.generate("Hi", params, use_tqdm=False, lora_request=LoRARequest(f"bad{i}", 10 + i, str(path)))
+        assert str(path) in str(err.value)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        llm.generate("Hi", params, use_tqdm=False, lora_request=LoRARequest("nope", 20))
+    assert run(requests[0]) == first[0]  # and it serves on
     del llm
     gc.collect()
 
