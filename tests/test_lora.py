@@ -31,8 +31,9 @@ ADAPTERS = {
 }
 
 
-def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[str], label: str) -> None:
-    """The base and every adapter, each on every prompt, in one batch: tianxia vs peft."""
+def generate_mixed(llm: LLM, adapters: dict[str, Path], prompts: list[str]) -> tuple[list, list]:
+    """The base and every adapter, each on every prompt, in one batch: the (adapter name, prompt)
+    jobs and their outputs."""
     tok = llm.get_tokenizer()
     jobs = [(name, p) for name in (None, *adapters) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=1, ignore_eos=True)
@@ -40,8 +41,18 @@ def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[
              for i, (name, _) in enumerate(jobs)]
     outs = llm.generate([{"prompt_token_ids": tok.encode(p)} for _, p in jobs], params, use_tqdm=False,
                         lora_request=loras)
+    return jobs, outs
+
+
+def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[str], label: str,
+                       fused_decode: bool = True) -> list:
+    """The base and every adapter, each on every prompt, in one batch: tianxia vs peft; returns
+    the outputs."""
+    jobs, outs = generate_mixed(llm, adapters, prompts)
     # prompts take the module forward; decode steps, adapters in them or not, the fused step
-    assert llm.engine.runner.route_counts["eager"] > 0 and llm.engine.runner.route_counts["fused"] > 0
+    # (unless ``fused_decode`` is off: tensor-parallel ranks run the module forward throughout)
+    assert llm.engine.runner.route_counts["eager"] > 0
+    assert (llm.engine.runner.route_counts["fused"] > 0) == fused_decode
     first_step: dict[tuple[str | None, str], torch.Tensor] = {}
     for (name, prompt), out in zip(jobs, outs):
         got = out.outputs[0].token_ids
@@ -56,6 +67,7 @@ def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[
     for name, prompt in jobs:
         if name is not None:
             assert (first_step[name, prompt] - first_step[None, prompt]).abs().max() > 0.05, name
+    return outs
 
 
 @pytest.fixture(scope="module")

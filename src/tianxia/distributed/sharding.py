@@ -13,6 +13,12 @@ the KV heads, and each KV head is replicated on N/KV ranks, each with its share 
 heads, as vLLM does. The MLP splits its intermediate features the same way, the embedding and
 LM head the vocabulary. Packed (GGUF) weights stay packed: a rank keeps whole rows and whole
 32-value blocks of them.
+
+A LoRA adapter follows its module's split (vLLM's ``ColumnParallelLinearWithLoRA`` /
+``RowParallelLinearWithLoRA``): over a column-parallel module (q/k/v, gate/up) a rank keeps the
+rows of ``B`` that its weight keeps and the whole ``A``, so its delta is its share of the output;
+over a row-parallel one (o, down) it keeps the columns of ``A`` that its weight keeps and the
+whole ``B``, so its delta is a partial sum that joins the product's before the all-reduce.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tianxia.config import ModelConfig
+from tianxia.layers.lora import LoRAAdapter, LoRAPart
 from tianxia.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_range
 from tianxia.loader.slicing import TensorSlice
 from tianxia.models.base import TensorParallelPlan
@@ -105,16 +112,52 @@ class RankShard:
     def model_config(self, config: ModelConfig) -> ModelConfig:
         return self.build
 
-    def slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
-        module = name.rpartition(".")[0]
-        for suffix, (split, dim) in self.plan.weights.items():
+    def _split(self, module: str) -> tuple[str, int] | None:
+        """How ``module``'s weight splits (the plan's split and dimension), or None: whole."""
+        for suffix, split in self.plan.weights.items():
             if module == suffix or module.endswith("." + suffix):
-                break
-        else:
+                return split
+        return None
+
+    def slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        split = self._split(name.rpartition(".")[0])
+        if split is None:
             return None  # norms: every rank holds them whole
+        kind, dim = split
         if dim == 1 and len(shape) == 1:
             return None  # a row-parallel bias is added once, after the sum
-        return TensorSlice(dim, self.ranges[split], self.vocab_share if split == "vocab" else None)
+        return TensorSlice(dim, self.ranges[kind], self.vocab_share if kind == "vocab" else None)
+
+    def shard_adapter(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """This rank's part of an adapter read for the whole model: per fused module, the rows of
+        each ``B`` its output keeps (column-parallel) or the columns of each ``A`` its input keeps
+        (row-parallel), the rows renumbered as the rank's module lays them out."""
+        weights = {}
+        for module, parts in adapter.weights.items():
+            split = self._split(module)
+            if split is None:
+                raise ValueError(f"tensor parallelism has no split for LoRA target {module!r}")
+            kind, dim = split
+            ranges = self.ranges[kind]
+            weights[module] = [p for part in parts for p in _shard_part(part, ranges, dim)]
+        return LoRAAdapter(adapter.name, adapter.path, adapter.rank, weights)
+
+
+def _shard_part(part: LoRAPart, ranges: tuple[tuple[int, int], ...], dim: int) -> list[LoRAPart]:
+    if dim == 1:  # row-parallel: the rank's input columns of A; the output rows are all there
+        (c0, c1), = ranges
+        return [LoRAPart(part.row0, part.a[:, c0:c1].contiguous(), part.b)]
+    # column-parallel: the rank's output is its ranges of the fused rows, one after the other;
+    # the part's rows that fall in each, at the place they take there
+    out, local = [], 0
+    end = part.row0 + part.b.shape[0]
+    for lo, hi in ranges:
+        start, stop = max(lo, part.row0), min(hi, end)
+        if start < stop:
+            out.append(LoRAPart(local + start - lo, part.a,
+                                part.b[start - part.row0 : stop - part.row0].contiguous()))
+        local += hi - lo
+    return out
 
 
 def parallelize(model: nn.Module, shard: RankShard, group: dist.ProcessGroup | None = None) -> None:

@@ -17,6 +17,12 @@ On CUDA every rank captures the same decode CUDA graphs of its module forward, t
 all-reduces inside them, in the same order; a decode step then tells the workers to replay
 theirs beside rank 0's.
 
+LoRA adapters are read and checked on rank 0, against the whole model; each adapter placed in a
+slot is cut into every rank's shard and each worker is sent its own, so a slot holds the same
+adapter on every rank, and the step's adapter slot per sequence travels in its ``StepInput``.
+Every rank adds its shard's deltas with the grouped product of the module forward (the fused
+steps, which hold no collectives, do not run here).
+
 A collective that waits longer than ``TIANXIA_TP_TIMEOUT`` seconds (default 60) raises, and a
 watchdog on rank 0 ends the process within a second of a worker dying, naming the rank.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -38,11 +45,12 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from tianxia.config import CacheConfig, EngineConfig
+from tianxia.config import CacheConfig, EngineConfig, ModelConfig
 from tianxia.distributed.sharding import RankShard, check_supported, parallelize, rank_config
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.engine.step_io import StepInput
 from tianxia.layers.attention import AttentionMetadata
+from tianxia.layers.lora import LoRAAdapter, LoRAState, LoRATarget
 from tianxia.loader import LoadedModel, load_model_config
 from tianxia.loader import load_model as load_rank_model
 
@@ -158,7 +166,13 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
         conn.send(("started", None))
         _init_group(rank, world_size, init_method, device)
         loaded = _load_shard(config, rank, world_size, dtype, device)
+        if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
+            from tianxia.layers.linear import use_row_invariant_linears
+
+            use_row_invariant_linears(loaded.model)
         runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
+        if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
+            runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
         if device.type == "cpu":
             from tianxia.quant import cpu_kernels
 
@@ -174,7 +188,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
 def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
     """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
     device = runner.device
-    batch = None
+    step, batch = None, None
     while True:
         try:
             msg = conn.recv()
@@ -182,13 +196,21 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
             return
         kind = msg[0]
         if kind == "step":
-            step: StepInput = msg[1]
+            step = msg[1]
             for src, dst in step.copies:
                 runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
             batch = runner.tensors(step)
         elif kind == "forward":
             ids, pos, meta = batch
-            model(ids, pos, runner.kv_caches, meta, to_device(msg[1], device))
+            keep = msg[1]
+            row_slots = runner.lora_rows(step)
+            if row_slots:  # the same runs of adapter rows as rank 0's
+                runner.lora.begin_step(row_slots, None if keep is None else keep.tolist())
+            try:
+                model(ids, pos, runner.kv_caches, meta, to_device(keep, device))
+            finally:
+                if row_slots:
+                    runner.lora.end_step()
         elif kind == "logits":
             model.compute_logits(to_device(msg[1], device))
         elif kind == "decode":  # rank 0 replays its graph of this batch: the workers theirs
@@ -200,6 +222,10 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 sys.exit(1)
             conn.send(("decode_ready", runner.graph_runner is not None))
+        elif kind == "lora_put":
+            runner.lora.put(msg[1], pickle.loads(msg[2]).to(device))
+        elif kind == "lora_drop":
+            runner.lora.drop(msg[1])
         elif kind == "stop":
             return
 
@@ -308,14 +334,38 @@ def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event
 # --- rank 0 -----------------------------------------------------------------------------------------
 
 
+class TensorParallelLoRAState(LoRAState):
+    """Rank 0's adapters: every adapter put in a slot is cut into each rank's shard; rank 0 keeps
+    its own and each worker is sent its, so a slot holds the same adapter on every rank. Its
+    ``targets`` are the whole model's, which the adapters are read and checked against."""
+
+    def __init__(self, model: torch.nn.Module, targets: dict[str, LoRATarget], shards: list[RankShard],
+                 workers: WorkerGroup) -> None:
+        super().__init__(model, targets)
+        self.shards, self.workers = shards, workers
+
+    def put(self, slot: int, adapter: LoRAAdapter) -> None:
+        host = adapter.to(torch.device("cpu"))  # a CUDA tensor would cross as a handle to cuda:0
+        for shard, conn in zip(self.shards[1:], self.workers.conns):
+            # by value: a tensor sent as it is crosses through shared memory, which keeps a file
+            # descriptor open on both sides per tensor for as long as the adapter lives
+            conn.send(("lora_put", slot, pickle.dumps(shard.shard_adapter(host))))
+        super().put(slot, self.shards[0].shard_adapter(adapter))
+
+    def drop(self, slot: int) -> None:
+        self.workers.send(("lora_drop", slot))
+        super().drop(slot)
+
+
 class TensorParallelModel:
     """Rank 0's model: each call sends the same call's inputs to the workers, then runs its own
-    shard. It offers what the runner asks of a model (:class:`tianxia.models.base.CausalLM`)."""
+    shard. It offers what the runner asks of a model (:class:`tianxia.models.base.CausalLM`);
+    ``config`` is the whole model's."""
 
     keeps_rows = True
 
-    def __init__(self, model: torch.nn.Module, workers: WorkerGroup) -> None:
-        self.model, self.workers = model, workers
+    def __init__(self, model: torch.nn.Module, workers: WorkerGroup, config: ModelConfig) -> None:
+        self.model, self.workers, self.config = model, workers, config
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -346,6 +396,16 @@ class TensorParallelModel:
 
     def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
         return None  # the fused steps hold no collectives: the module forward runs
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """The whole model's: adapters are read and checked as for one rank."""
+        return self.model.lora_targets(self.config)
+
+    def lora_state(self) -> LoRAState:
+        """The adapters over every rank (``--enable-lora``)."""
+        world = dist.get_world_size()
+        shards = [RankShard(self.config, rank, world) for rank in range(world)]
+        return TensorParallelLoRAState(self.model, self.lora_targets(), shards, self.workers)
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         return self.model.cuda_graph_unsafe_reason()
@@ -431,8 +491,6 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     if device.type == "cuda" and config.cache.gpu_memory_utilization is not None:
         raise ValueError("--gpu-memory-utilization is not available with --tensor-parallel-size yet; "
                          "size the KV cache with --kv-cache-memory")
-    if getattr(config, "lora", None) is not None:
-        raise ValueError("--enable-lora is not available with --tensor-parallel-size yet")
     full = load_model_config(config.model)
     check_supported(full, world)
     addr = config.master_addr
@@ -473,7 +531,7 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     logger.info("tensor parallel: %d ranks (%s) on %s, %d threads each; rank 0 holds %d of %d KV heads; "
                 "weights %.1f MiB", world, dist.get_backend(), init_method, threads,
                 loaded.config.num_key_value_heads, full.num_key_value_heads, weight_bytes(loaded.model) / 2**20)
-    loaded.model = TensorParallelModel(loaded.model, workers)
+    loaded.model = TensorParallelModel(loaded.model, workers, full)
     return loaded
 
 

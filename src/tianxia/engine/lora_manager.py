@@ -45,13 +45,16 @@ class LoRAManager:
             raise ValueError(f"--enable-lora: {type(model).__name__} models serve no LoRA adapters")
         self.config = config
         self.capacity = config.max_cpu_loras or config.max_loras
-        self.state = LoRAState(model, model.lora_targets())
+        # a tensor-parallel model gives a state that puts each rank's shard of an adapter on it
+        make_state = getattr(model, "lora_state", None)
+        self.state: LoRAState = make_state() if make_state is not None else LoRAState(model, model.lora_targets())
         self.model_config = getattr(model, "config", None)
         self.device = next(model.parameters()).device
         # name -> the adapter files and their scales (several: their deltas are summed)
         self.sources: dict[str, tuple[tuple[str, float], ...]] = {}
         self.slot_of: dict[str, int] = {}
-        self._resident: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
+        # the slots whose adapter the state holds in memory: an LRU, most recent last
+        self._resident: OrderedDict[int, None] = OrderedDict()
         self._slots = itertools.count()
         self.requests_total: Counter[str] = Counter()
 
@@ -103,9 +106,7 @@ class LoRAManager:
 
     def _read(self, name: str, sources: tuple[tuple[str, float], ...]) -> LoRAAdapter:
         adapter = stack_adapters(name, [self._read_one(name, path, scale) for path, scale in sources])
-        for module, parts in adapter.weights.items():
-            adapter.weights[module] = [p.to(self.device) for p in parts]
-        return adapter
+        return adapter.to(self.device)
 
     def _read_one(self, name: str, path: str, scale: float) -> LoRAAdapter:
         """A PEFT directory, or llama.cpp's GGUF adapter file."""
@@ -117,7 +118,7 @@ class LoRAManager:
         return load_peft_adapter(name, path, targets, max_rank, scale)
 
     def _hold(self, slot: int, adapter: LoRAAdapter, pinned: set[int]) -> None:
-        self._resident[slot] = adapter
+        self._resident[slot] = None
         self.state.put(slot, adapter)
         # evict the least recently used adapters no sequence needs, down to the capacity; the
         # pinned ones may keep it above (they are dropped once their sequences end and another

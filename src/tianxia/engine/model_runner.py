@@ -113,7 +113,7 @@ class ModelRunner:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         ids, pos, meta = self.tensors(step)
         rows = list(step.sample_rows)
-        row_slots = self._lora_rows(step)
+        row_slots = self.lora_rows(step)
         keep = self._rows_to_keep(step, rows, ids.shape[0])
         if row_slots:
             self.lora.begin_step(row_slots, keep)
@@ -168,7 +168,7 @@ class ModelRunner:
                 result.logprobs[sid] = lp
         return result
 
-    def _lora_rows(self, step: StepInput) -> list[int] | None:
+    def lora_rows(self, step: StepInput) -> list[int] | None:
         """Each token row's adapter slot (-1: base), or None when no row has one."""
         if self.lora is None or all(slot < 0 for slot in step.lora_slots):
             return None

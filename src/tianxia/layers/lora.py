@@ -17,7 +17,10 @@ cost nothing. The products go through
 delta does not depend on what else is in the batch. On the module path the deltas are added by
 forward hooks on the fused modules, so the model code is unchanged; a family's fused decode step
 may take them instead (it is told of every adapter placed in or dropped from a slot, and reads
-the step's runs from :meth:`LoRAState.runs`), with the same products in the same order.
+the step's runs from :meth:`LoRAState.runs`), with the same products in the same order. Under
+tensor parallelism each rank holds its shard of every adapter (``distributed/sharding.py``), and
+the hook of a row-parallel module sits on its local product, so the delta, a partial sum like the
+product's, joins it before the all-reduce.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tianxia.layers.parallel_linear import RowParallelLinear
 from tianxia.quant.cpu_kernels import dense_linear
 
 
@@ -74,6 +78,10 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for parts in self.weights.values() for p in parts
                    for t in (p.a, p.b))
+
+    def to(self, device: torch.device) -> LoRAAdapter:
+        weights = {module: [p.to(device) for p in parts] for module, parts in self.weights.items()}
+        return LoRAAdapter(self.name, self.path, self.rank, weights)
 
 
 # PEFT keys: "base_model.model.<module>.lora_A[.<adapter name>].weight"
@@ -214,7 +222,10 @@ class LoRAState:
         # step sees (the whole batch, and the kept rows of the last layer's MLP)
         self._groups: dict[int, list[tuple[int, int, int]]] = {}
         for name in targets:
-            model.get_submodule(name).register_forward_hook(self._hook(name))
+            module = model.get_submodule(name)
+            if isinstance(module, RowParallelLinear):  # the delta joins the partial sum
+                module = module.local
+            module.register_forward_hook(self._hook(name))
 
     def put(self, slot: int, adapter: LoRAAdapter) -> None:
         self.slots[slot] = adapter

@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from tianxia.config import ModelConfig
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.lora import LoRATarget
 
@@ -90,9 +91,10 @@ class CausalLM(Protocol):
     def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
         """The family's fused decode step for these caches on the model's device, or None."""
 
-    def lora_targets(self) -> dict[str, LoRATarget]:
-        """The modules LoRA adapters may adapt (``--enable-lora``), by module name; a family
-        without this method serves no adapters."""
+    def lora_targets(self, config: ModelConfig | None = None) -> dict[str, LoRATarget]:
+        """The modules LoRA adapters may adapt (``--enable-lora``), by module name, at the sizes
+        of this model or of ``config`` (the whole model, for a tensor-parallel rank built at its
+        share); a family without this method serves no adapters."""
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         """Why the module forward cannot be captured in a CUDA graph (a host sync or a

@@ -330,16 +330,19 @@ class LlamaForCausalLM(nn.Module):
         logger.info("%s: no fused decode step (%s)", self.config.architecture, reason)
         return None
 
-    def lora_targets(self) -> dict[str, LoRATarget]:
-        """The fused modules LoRA adapters may adapt, with the checkpoint projections in each."""
-        attn, c = self.model.layers[0].self_attn, self.config
+    def lora_targets(self, config: ModelConfig | None = None) -> dict[str, LoRATarget]:
+        """The fused modules LoRA adapters may adapt, with the checkpoint projections in each, at
+        the sizes of this model or of ``config`` (a tensor-parallel rank reads adapters for the
+        whole model)."""
+        c = config or self.config
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         targets = {}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             for ours, parts, n_in in (
-                ("self_attn.qkv_proj", (("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)),
+                ("self_attn.qkv_proj", (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
                  c.hidden_size),
-                ("self_attn.o_proj", (("o_proj", c.hidden_size),), attn.q_size),
+                ("self_attn.o_proj", (("o_proj", c.hidden_size),), q_size),
                 ("mlp.gate_up_proj", (("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)),
                  c.hidden_size),
                 ("mlp.down_proj", (("down_proj", c.hidden_size),), c.intermediate_size),
