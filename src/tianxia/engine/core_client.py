@@ -35,7 +35,6 @@ from tianxia.engine import core_messages as msgs
 from tianxia.engine.async_engine import EngineClient, EngineDeadError
 from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import PromptType
-from tianxia.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -194,7 +194,7 @@ def _compact_kernel(logits_ptr, stride, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_pt
     order into the chunk's slots (their count, even past ``SLOTS``, tells the row overflowed),
     and the weight of the chunk's logits above the interval, which every candidate gets."""
     row, c = tl.program_id(0), tl.program_id(1)
-    m, lo0, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
+    m, _lo0, active, target = _row_terms(row, cmax_ptr, cmin_ptr, lo0_ptr, k_ptr, p_ptr, zpart_ptr, V, C,
                                         MASS, HAS_LO0, CPAD)
     if active:
         lo, hi = _narrow(lohi_in, part_in, row, target, C, NCAND, CPAD)
@@ -272,7 +272,7 @@ def _search(logits: torch.Tensor, cmax: torch.Tensor, cmin: torch.Tensor, lo0: t
     lo0 = lo0 if has_lo0 else cmin  # unread without HAS_LO0
     zpart = zpart if mass else cmax  # unread without MASS
     row_args = (cmax, cmin, lo0, top_k, top_p, zpart)
-    flags = dict(MASS=mass, HAS_LO0=has_lo0, NCAND=_NCAND, CPAD=triton.next_power_of_2(C))
+    flags = {"MASS": mass, "HAS_LO0": has_lo0, "NCAND": _NCAND, "CPAD": triton.next_power_of_2(C)}
     for i in range(_FULL_PASSES):
         src, dst = (i + 1) % 2, i % 2
         _search_pass_kernel[(S, C)](logits, logits.stride(0), *row_args, lohi[src], part[src], lohi[dst],
