@@ -69,3 +69,16 @@ def test_cli(tmp_path, tiny_tokenizer_dir, capsys):
     assert main(["perplexity", "-m", str(model_dir), "-f", str(tmp_path / "t.txt"), "-c", "64", "--chunks", "2", "-q"]) == 0
     out = capsys.readouterr().out
     assert "Final estimate: PPL = " in out and "2 chunks of 64 tokens" in out
+
+
+def test_cpu_activations_choose_the_path_measured(tmp_path, smollm2_path):
+    """``--cpu-activations`` reaches the engine: the 8-bit path's perplexity differs from the exact
+    float32 path's (the products differ), and by little (the 8-bit path's error is small)."""
+    (tmp_path / "t.txt").write_text(TEXT * 4)
+    ppl = {}
+    for acts in ("int8", "float32"):
+        res = run_perplexity(str(smollm2_path), tmp_path / "t.txt", ctx=64, chunks=2, progress=False,
+                             cpu_activations=acts)
+        ppl[acts] = res.ppl
+    assert ppl["int8"] != ppl["float32"]
+    assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.05

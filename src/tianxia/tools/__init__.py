@@ -32,14 +32,14 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     result = run_perplexity(
         args.model, args.file, ctx=args.ctx_size, chunks=args.chunks, batch=args.batch_size,
         threads=args.threads, dtype=args.dtype, progress=not args.quiet,
-        kv_cache_dtype=kv_cache_dtype_from_args(args),
+        kv_cache_dtype=kv_cache_dtype_from_args(args), cpu_activations=args.cpu_activations,
     )
     print(result.summary(), file=sys.stdout)
     return 0
 
 
 def add_tool_parsers(sub) -> None:
-    from tianxia.config import add_kv_cache_args
+    from tianxia.config import CPU_ACTIVATIONS, add_kv_cache_args
 
     conv = sub.add_parser("convert", help="convert a Hugging Face model directory to GGUF")
     conv.add_argument("model_dir")
@@ -66,5 +66,7 @@ def add_tool_parsers(sub) -> None:
     ppl.add_argument("-t", "--threads", type=int, default=None)
     ppl.add_argument("--dtype", default="float32")
     add_kv_cache_args(ppl)
+    ppl.add_argument("--cpu-activations", default="int8", choices=list(CPU_ACTIVATIONS),
+                     help="the CPU path to measure, as run and serve take it (default: %(default)s)")
     ppl.add_argument("-q", "--quiet", action="store_true", help="no per-chunk output")
     ppl.set_defaults(func=cmd_perplexity)
