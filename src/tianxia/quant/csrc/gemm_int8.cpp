@@ -208,7 +208,9 @@ inline __m256i sum4x4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
 // goes through it. Q = 2 (one or two activation rows) keeps two independent chains of
 // multiply-adds in flight, where one would wait out their latency at every block; each quad's
 // outputs take the same operations either way.
-template <int BITS, int MR, bool MINS, int Q, typename Codes>
+// COMPACT: factors of groups of 32 as quad_factor_table() keeps them, 8 floats per block (both
+// halves share their group's), broadcast to both lanes: the same vectors as the 16 made per call.
+template <int BITS, int MR, bool MINS, int Q, typename Codes, bool COMPACT = false>
 inline void quad_rows(const Codes* codes, const float* const* factors, const uint8_t* panel, int64_t nb,
                       __m256 acc[Q][MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -219,7 +221,14 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
     for (int q = 0; q < Q; ++q) {
       __m256i w[4];
       codes[q].load(b, w);
-      const __m256 sv = _mm256_loadu_ps(factors[q] + b * 16), cv = _mm256_loadu_ps(factors[q] + b * 16 + 8);
+      __m256 sv, cv;
+      if constexpr (COMPACT) {
+        sv = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(factors[q] + b * 8));
+        cv = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(factors[q] + b * 8 + 4));
+      } else {
+        sv = _mm256_loadu_ps(factors[q] + b * 16);
+        cv = _mm256_loadu_ps(factors[q] + b * 16 + 8);
+      }
       if constexpr (BITS == 8) {
         // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
         // activation row; a pair sum reaches 2 * 128 * 127, so each product is widened to 32
@@ -309,17 +318,26 @@ template <int BITS, int MR, bool MINS, int Q, typename S>
 void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel, int64_t m0, const float* bias,
                   float* out, std::vector<float>& buffer) {
   const int64_t nb = w.K / 32;
-  buffer.resize(Q * nb * 16);
+  // with a table (n is a multiple of 4 here), its quads' factors; a missing quad (past the
+  // weight's last rows) reads the table's zero padding
+  const bool table = w.quad_factors != nullptr, compact = w.group == 32;
+  const int64_t per_quad = nb * (compact ? 8 : 16);
+  if (!table) buffer.resize(Q * nb * 16);
   PackedCodes<BITS> codes[Q];
   const float* factors[Q];
   for (int q = 0; q < Q; ++q) {
     const int64_t n0 = std::min(n + 4 * q, n + rows - 1), left = std::max<int64_t>(0, std::min<int64_t>(4, rows - 4 * q));
-    quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
-    factors[q] = buffer.data() + q * nb * 16;
+    if (table) {
+      factors[q] = w.quad_factors + (n / 4 + q) * per_quad;
+    } else {
+      quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
+      factors[q] = buffer.data() + q * nb * 16;
+    }
     for (int j = 0; j < 4; ++j) codes[q].row[j] = w.qs + std::min(n0 + j, n + rows - 1) * w.row_bytes();
   }
   __m256 acc[Q][MR];
-  quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  if (table && compact) quad_rows<BITS, MR, MINS, Q, PackedCodes<BITS>, true>(codes, factors, panel, nb, acc);
+  else quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
   for (int q = 0; q < Q && 4 * q < rows; ++q)
     store_quad<MR>(acc[q], std::min<int64_t>(4, rows - 4 * q), m0, n + 4 * q, bias, out, w.N);
 }
@@ -411,7 +429,42 @@ void product_of(const Packed& w, const Activations& a, const float* bias, float*
   }
 }
 
+template <typename S>
+std::vector<float> factor_table_as(const Packed& w) {
+  const int64_t nb = w.K / 32, quads = (w.N + 3) / 4;
+  const bool compact = w.group == 32;
+  const int64_t per_quad = nb * (compact ? 8 : 16);
+  // one quad of padding past the last: a two-quad step at the weight's end reads zeros there
+  std::vector<float> table((quads + 1) * per_quad, 0.f), f(nb * 16);
+  for (int64_t q = 0; q < quads; ++q) {
+    const int64_t left = std::min<int64_t>(4, w.N - 4 * q);
+    switch (w.bits) {
+      case 4: quad_factors<4, S>(w, 4 * q, left, f.data()); break;
+      case 5: quad_factors<5, S>(w, 4 * q, left, f.data()); break;
+      case 6: quad_factors<6, S>(w, 4 * q, left, f.data()); break;
+      default: quad_factors<8, S>(w, 4 * q, left, f.data());
+    }
+    float* dst = table.data() + q * per_quad;
+    if (!compact) {
+      std::copy(f.begin(), f.end(), dst);
+      continue;
+    }
+    for (int64_t b = 0; b < nb; ++b) {  // the low lane of each 8: both lanes hold the same
+      std::copy(f.data() + b * 16, f.data() + b * 16 + 4, dst + b * 8);
+      std::copy(f.data() + b * 16 + 8, f.data() + b * 16 + 12, dst + b * 8 + 4);
+    }
+  }
+  return table;
+}
+
 }  // namespace
+
+#ifndef TIANXIA_VNNI  // (one definition, in the AVX2 build)
+std::vector<float> quad_factor_table(const Packed& w) {
+  if (!int8_path(w)) return {};
+  return w.half ? factor_table_as<uint16_t>(w) : factor_table_as<float>(w);
+}
+#endif
 
 #ifdef TIANXIA_VNNI
 // the AVX-512 VNNI variant (gemm_int8_avx512.cpp compiles this file again under that target)
