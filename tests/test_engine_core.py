@@ -37,9 +37,16 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie (exited, not yet reaped by a dead parent's init) counts as gone
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+    # a zombie (exited, not yet reaped by a dead parent's init) counts as gone once all its
+    # threads have exited: the leader turns zombie first, and the others close the process's
+    # files (its listening socket) after
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] != "Z":
+                return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except FileNotFoundError:  # reaped meanwhile
+        return False
 
 
 def wait_until(predicate, timeout: float, what: str) -> float:
