@@ -22,7 +22,8 @@ import pytest
 from tianxia import SamplingParams
 from tianxia.server.testing import ServerProcess, metric
 
-from test_engine_core import ARGS, MODEL, PROMPTS, alive, core_pids, greedy_texts, wait_until
+from test_engine_core import (ARGS, MODEL, PROMPTS, alive, core_pids, greedy_texts, sigkill_server,
+                              wait_until)
 
 API_ARGS = [*ARGS, "--api-server-count", "2"]
 
@@ -35,6 +36,21 @@ def api_pids(srv: ServerProcess) -> list[int]:
 def offline_texts(smollm2_llm):
     outs = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     return [o.outputs[0].text for o in outs]
+
+
+def concurrent_greedy_texts(url: str, batches: int = 3) -> list[list[str]]:
+    """``greedy_texts`` sent ``batches`` times at once, from as many threads."""
+    results: list[list[str]] = [[] for _ in range(batches)]
+
+    def batch(k: int) -> None:
+        results[k] = greedy_texts(url)
+
+    threads = [threading.Thread(target=batch, args=(k,)) for k in range(batches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def answering_pids(url: str, tries: int = 40) -> set[int]:
@@ -58,17 +74,8 @@ def test_two_api_servers_share_the_port_and_the_core(offline_texts):
         assert all(alive(p) for p in (*apis, *cores))
         assert srv.proc.pid not in apis
 
-        results: dict[int, list[str]] = {}
-
-        def batch(k: int) -> None:  # concurrent requests through both processes
-            results[k] = greedy_texts(srv.url)
-
-        threads = [threading.Thread(target=batch, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(texts == offline_texts for texts in results.values())
+        # concurrent requests through both processes
+        assert all(texts == offline_texts for texts in concurrent_greedy_texts(srv.url))
 
         # a stop string found by an API process ends the request there (and in the core)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
@@ -106,9 +113,7 @@ def test_sigkilled_supervisor_takes_every_process_along():
     try:
         pids = [*api_pids(srv), *core_pids(srv)]
         assert len(pids) == 3
-        srv.signal(signal.SIGKILL)
-        srv.wait(10)
-        wait_until(lambda: not any(alive(p) for p in pids), 10, "no orphan left")
+        sigkill_server(srv, pids, 10)
         with socket.socket() as s:  # nothing keeps the port
             s.bind((srv.host, srv.port))
     finally:
@@ -122,17 +127,8 @@ def test_two_api_servers_in_front_of_two_data_parallel_cores(offline_texts):
         assert len(apis) == 2 and len(cores) == 2
         assert all(alive(p) for p in (*apis, *cores))
 
-        results: dict[int, list[str]] = {}
-
-        def batch(k: int) -> None:  # concurrent requests through both processes, to both cores
-            results[k] = greedy_texts(srv.url)
-
-        threads = [threading.Thread(target=batch, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert all(texts == offline_texts for texts in results.values())
+        # concurrent requests through both processes, to both cores
+        assert all(texts == offline_texts for texts in concurrent_greedy_texts(srv.url))
         assert answering_pids(srv.url) == set(apis)
 
         # each core's own series reach every API process (the cores send their statistics to
@@ -144,10 +140,7 @@ def test_two_api_servers_in_front_of_two_data_parallel_cores(offline_texts):
 
         wait_until(lambda: all(n > 0 for n in tokens_per_core()), 10, "both cores generated")
 
-        pids = [*apis, *cores]
-        srv.signal(signal.SIGKILL)
-        srv.wait(10)
-        wait_until(lambda: not any(alive(p) for p in pids), 10, "no orphan left")
+        sigkill_server(srv, [*apis, *cores], 10)
         # nothing listens on the port (the connections the dead processes held linger in
         # TIME_WAIT, which a server's SO_REUSEADDR bind ignores)
         with socket.socket() as s:

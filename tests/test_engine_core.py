@@ -57,6 +57,14 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+def sigkill_server(srv: ServerProcess, pids: list[int], timeout: float) -> None:
+    """SIGKILL the server's own process and wait until every one of ``pids`` (its API servers,
+    its cores) has exited too: none may outlive it as an orphan."""
+    srv.signal(signal.SIGKILL)
+    srv.wait(10)
+    wait_until(lambda: not any(alive(p) for p in pids), timeout, "no orphan left")
+
+
 def greedy_texts(url: str, max_tokens: int = 12) -> list[str]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     out: list[str] = [""] * len(PROMPTS)
@@ -153,10 +161,7 @@ def test_killed_core_fails_requests_and_exits_nonzero():
 def test_sigkilled_server_takes_its_core_along():
     srv = ServerProcess(ARGS).start()
     try:
-        (pid,) = core_pids(srv)
-        srv.signal(signal.SIGKILL)
-        srv.wait(10)
-        wait_until(lambda: not alive(pid), 5, "the orphaned core exited")
+        sigkill_server(srv, core_pids(srv), 5)
         with socket.socket() as s:  # nothing keeps the port
             s.bind((srv.host, srv.port))
     finally:
