@@ -34,6 +34,33 @@ def triton_cache_entries() -> set[str]:
             for f in d.glob("*.json") if not f.name.startswith("__grp__")}
 
 
+def offline_throughput(model_dir: Path, args) -> float:
+    """Output tokens/s of ``args.prompts_per_point`` requests of 128 random prompt tokens and 64
+    output tokens (``ignore_eos``) through ``LLM.generate`` with the server's engine settings, all
+    submitted at once: the ceiling the served figure at rate ``inf`` is compared with."""
+    import random
+
+    import torch
+
+    from tianxia import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_model_len=2048,
+              gpu_memory_utilization=0.85)
+    rng = random.Random(0)
+    vocab = llm.get_tokenizer().vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(128)]}
+               for _ in range(args.prompts_per_point)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    torch.cuda.empty_cache()
+    return n / dt
+
+
 def main() -> int:
     from gpu_build_startup import make_model_dir
     from serving_vs_llamacpp import server
@@ -45,6 +72,9 @@ def main() -> int:
     ap.add_argument("--prompts-per-point", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the same workload offline (LLM.generate, same engine settings) "
+                         "after the server stops: the served/offline ratio at saturation")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="a Qwen2.5 tokenizer saved with save_pretrained (the random workload needs "
                          "whole-word tokens)")
@@ -80,8 +110,15 @@ def main() -> int:
             compiled = triton_cache_entries() - kernels
         summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": r.returncode,
                           "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
+        if args.offline:
+            summary[shape]["offline_output_tok_s"] = round(offline_throughput(d, args), 1)
+            print(f"{shape}: offline {summary[shape]['offline_output_tok_s']} output tok/s", flush=True)
         if res_path.is_file():
-            for pt in json.loads(res_path.read_text())["points"]:
+            points = json.loads(res_path.read_text())["points"]
+            if args.offline and points:
+                best = max(pt["summary"]["output_throughput"] for pt in points)
+                summary[shape]["served_over_offline"] = round(best / summary[shape]["offline_output_tok_s"], 3)
+            for pt in points:
                 s = pt["summary"]
                 md.append(f"| {shape} | {pt['load']} | {s['request_throughput']:.1f} | {s['output_throughput']:.0f} | "
                           f"{s['ttft_ms']['median']:.1f} / {s['ttft_ms']['p99']:.1f} | "

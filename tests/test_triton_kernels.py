@@ -51,8 +51,13 @@ DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.bflo
 
 
 def _exact(dtype):
-    """Bit-exact on the GPU; the interpreter truncates float32 -> bf16 instead of rounding."""
-    return dict(atol=0, rtol=0) if CUDA or dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    """Equal up to how float32 products are summed: bit-exact in bf16 on the GPU (float32 there
+    differs by an ulp where the compiler contracts a product and a sum into one FMA, which eager
+    torch does not) and in float32 on the interpreter (which truncates float32 -> bf16 instead of
+    rounding)."""
+    if dtype == torch.float32:
+        return dict(atol=1e-6, rtol=1e-6) if CUDA else dict(atol=0, rtol=0)
+    return dict(atol=0, rtol=0) if CUDA else dict(atol=2e-2, rtol=2e-2)
 
 
 def _tol(dtype):

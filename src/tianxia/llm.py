@@ -38,6 +38,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: str | int = "2GiB",
+        gpu_memory_utilization: float | None = None,
         num_kv_blocks: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -77,6 +78,7 @@ class LLM:
                 kv_cache_memory=parse_size(kv_cache_memory),
                 enable_prefix_caching=enable_prefix_caching,
                 num_blocks=num_kv_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -258,11 +258,12 @@ def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, QMAX: tl.constexpr, BLOCK: tl.const
         ks = k0 + offs
         x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / QMAX
+    # div_rn: IEEE-rounded division, as the eager formula's (Triton's `/` is an approximate one)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), QMAX)
     for k0 in range(0, K, BLOCK):
         ks = k0 + offs
         x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
         tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
     tl.store(s_ptr + row, scale)
 
