@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tianxia import __version__
 from tianxia.config import (
+    add_offload_args,
     add_parallel_args,
     add_quantization_args,
     add_speculative_args,
@@ -41,6 +42,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_quantization_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+    add_offload_args(p)
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default: %(default)s)")
@@ -73,6 +75,7 @@ def _make_llm(args: argparse.Namespace):
         batch_invariant=args.batch_invariant,
         speculative_config=speculative_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_offload_gb=args.cpu_offload_gb,
         master_addr=args.master_addr,
         master_port=args.master_port,
         enable_lora=bool(_lora_sources(args)),

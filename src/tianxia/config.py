@@ -216,6 +216,8 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
+    # CUDA: GiB of decoder-layer weights kept in host memory and streamed to the GPU per forward
+    cpu_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
@@ -223,6 +225,10 @@ class EngineConfig:
         check_choice("cpu_activations", self.cpu_activations, CPU_ACTIVATIONS)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1; got {self.tensor_parallel_size}")
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"--cpu-offload-gb must be at least 0; got {self.cpu_offload_gb}")
+        if self.cpu_offload_gb and self.tensor_parallel_size > 1:
+            raise ValueError("--cpu-offload-gb cannot be combined with --tensor-parallel-size > 1 yet")
 
 
 # --quantization: what happens to the weights at load. Adding a method is one entry here plus its
@@ -291,6 +297,15 @@ def add_quantization_args(parser) -> None:
         help="CUDA: kernels whose results for a request do not depend on the batch or the prefix cache "
              "(fixed-tile matmul, per-row RMSNorm, one attention kernel; no CUDA graphs). CPU results are "
              "batch-invariant by default",
+    )
+
+
+def add_offload_args(parser) -> None:
+    """``--cpu-offload-gb`` (vLLM's meaning)."""
+    parser.add_argument(
+        "--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
+        help="CUDA: keep this many GiB of the decoder layers' weights in host memory and copy them to "
+             "the GPU each forward (a model larger than the GPU runs, at the cost of the transfer)",
     )
 
 

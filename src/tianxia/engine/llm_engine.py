@@ -148,7 +148,8 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     n = max(1, min(sched.max_num_batched_tokens, max_len))
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    # weights offloaded to the host (--cpu-offload-gb) take no GPU memory
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_cuda)
     probe = ModelRunner(model, model_config, _replace(config.cache, num_blocks=(n + bs - 1) // bs + 1),
                         device, dtype)
     run = TokenRun([0] * n, 0, list(range((n + bs - 1) // bs)))
@@ -213,6 +214,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.cpu_offload_gb and self.device.type != "cuda":
+            raise ValueError("--cpu-offload-gb keeps weights in host memory for a GPU; on CPU they are there already")
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
@@ -229,7 +232,8 @@ class LLMEngine:
             runner_class = tp.TensorParallelRunner
         else:
             loaded = load_model(config.model, dtype=self.dtype, device=self.device,
-                                backend=get_backend(self.device), quantization=config.quantization)
+                                backend=get_backend(self.device), quantization=config.quantization,
+                                cpu_offload_bytes=int(config.cpu_offload_gb * 2**30))
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
         if self.device.type == "cpu":  # float products that do not depend on the batch

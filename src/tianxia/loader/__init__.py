@@ -55,6 +55,7 @@ def load_model(
     backend: AttentionBackend,
     quantization: str = "auto",
     shard: WeightShard | None = None,
+    cpu_offload_bytes: int = 0,
 ) -> LoadedModel:
     """Build the model on the ``meta`` device, then materialize it and copy each weight in once.
 
@@ -66,6 +67,9 @@ def load_model(
     (``quantization="auto"``) and float matrices can be quantized as they stream in (``q8_0``,
     ``q4_0``, ``int8``, ``int4``); ``"none"`` dequantizes everything. On CUDA, ``int8`` and ``fp8``
     store the decoder projections with per-channel scales (:mod:`tianxia.quant.channelwise`).
+
+    ``cpu_offload_bytes``: the first decoder layers' weights, up to that many bytes, stay in host
+    memory and are streamed to the device each time the layer runs (:mod:`tianxia.loader.offload`).
     """
     from tianxia.loader import safetensors as st
     from tianxia.loader.tokenizer import load_tokenizer
@@ -97,7 +101,19 @@ def load_model(
 
     with torch.device("meta"):
         model = model_class(config, backend)
-    model.to_empty(device=device)
+    offloaded = []
+    if cpu_offload_bytes > 0:
+        from tianxia.loader import offload
+
+        if channelwise:
+            raise ValueError(f"--cpu-offload-gb cannot be combined with --quantization {quantization} yet")
+        layers = offload.decoder_layers(model, config.num_hidden_layers)
+        if layers is None:
+            raise ValueError(f"--cpu-offload-gb: no decoder layers found in {config.architecture}")
+        offloaded = offload.layers_to_offload(layers, cpu_offload_bytes, dtype)
+        offload.materialize(model, device, dtype, offloaded)
+    else:
+        model.to_empty(device=device)
     model.to(dtype)
     missing = model.load_weights(weights)
     if missing:
@@ -111,6 +127,11 @@ def load_model(
         quantize_model(model, quantization)
     model.init_buffers(device)
     model.eval()
+    for layer in offloaded:
+        offload.stream_to(layer, device)
+    if offloaded:
+        logger.info("--cpu-offload-gb: %d of %d decoder layers (%.2f GiB) stay in host memory", len(offloaded),
+                    config.num_hidden_layers, offload.offloaded_bytes(offloaded) / 2**30)
 
     tokenizer = load_tokenizer(path, is_gguf=gguf_file is not None)
     template = gguf_file.chat_template() if gguf_file is not None else None

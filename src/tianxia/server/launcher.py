@@ -23,6 +23,7 @@ from tianxia.config import (
     SchedulerConfig,
     add_lora_args,
     add_quantization_args,
+    add_offload_args,
     add_parallel_args,
     add_speculative_args,
     kv_cache_dtype_from_args,
@@ -156,6 +157,7 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     add_quantization_args(p)
     add_speculative_args(p)
     add_parallel_args(p)
+    add_offload_args(p)
     add_lora_args(p)
     p.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
@@ -384,6 +386,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_offload_gb=args.cpu_offload_gb,
         master_addr=args.master_addr,
         master_port=args.master_port,
         lora=lora_from_args(args),
