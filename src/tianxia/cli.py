@@ -79,12 +79,23 @@ def _make_llm(args: argparse.Namespace):
         master_addr=args.master_addr,
         master_port=args.master_port,
         enable_lora=bool(_lora_sources(args)),
-        max_lora_rank=_CLI_MAX_LORA_RANK,
+        max_lora_rank=_cli_max_lora_rank(_lora_sources(args)),
     )
 
 
 # llama.cpp puts no bound on an adapter's rank; the server's --max-lora-rank is a batch budget
 _CLI_MAX_LORA_RANK = 4096
+
+
+def _cli_max_lora_rank(sources: list[tuple[str, float]]) -> int:
+    """The rank of ``--lora`` adapters summed (they are applied together), read from their PEFT
+    configs, so a GPU's stacked adapter buffers are no wider than the adapters; else the bound."""
+    from tianxia.layers.lora import LoRAError, read_peft_config
+
+    try:
+        return max(1, sum(read_peft_config(path)["r"] for path, _ in sources))
+    except LoRAError:  # a GGUF adapter, or a bad one (loading it reports why)
+        return _CLI_MAX_LORA_RANK
 
 
 def _lora_sources(args: argparse.Namespace) -> list[tuple[str, float]]:

@@ -281,20 +281,17 @@ class LLMEngine:
         # the batch-invariant GPU mode runs every product through its fixed-tile kernels: no fused
         # decode step (it has kernels of its own) and no graphs
         gpu_invariant = self.device.type == "cuda" and config.batch_invariant
-        setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager or gpu_invariant,
-                     fused_step=not gpu_invariant)
-        from dataclasses import replace
-
         self.lora_manager = None
         if config.lora is not None:
             from tianxia.engine.lora_manager import LoRAManager
 
-            self.lora_manager = LoRAManager(loaded.model, config.lora)
+            # before the decode graphs: on a GPU the adapters' hooks are captured with the step
+            self.lora_manager = LoRAManager(loaded.model, config.lora, max_rows=sched.max_num_seqs)
             self.runner.lora = self.lora_manager.state
-            # a fused decode step that adds the adapters' deltas itself keeps their steps
-            attach = getattr(self.runner.decode_step, "attach_lora", None)
-            self.runner.fused_lora = (self.runner.graph_runner is None and attach is not None
-                                      and attach(self.lora_manager.state))
+        setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager or gpu_invariant,
+                     fused_step=not gpu_invariant)
+        from dataclasses import replace
+
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager,
                                    max_loras=config.lora.max_loras if config.lora else 0, eos_ids=self.eos_ids)
         for name, path in config.lora.modules if config.lora else ():

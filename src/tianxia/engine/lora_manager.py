@@ -40,16 +40,29 @@ class LoRAUnknownError(KeyError, ValueError):
 
 
 class LoRAManager:
-    def __init__(self, model: torch.nn.Module, config: LoRAConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, max_rows: int = 0) -> None:
+        """``max_rows``: the largest decode batch a CUDA graph replays (the stacked state's
+        per-row buffer on a GPU)."""
         if not hasattr(model, "lora_targets"):
             raise ValueError(f"--enable-lora: {type(model).__name__} models serve no LoRA adapters")
         self.config = config
         self.capacity = config.max_cpu_loras or config.max_loras
+        self.model_config = getattr(model, "config", None)
+        param = next(model.parameters())
+        self.device = param.device
         # a tensor-parallel model gives a state that puts each rank's shard of an adapter on it
         make_state = getattr(model, "lora_state", None)
-        self.state: LoRAState = make_state() if make_state is not None else LoRAState(model, model.lora_targets())
-        self.model_config = getattr(model, "config", None)
-        self.device = next(model.parameters()).device
+        if make_state is not None:
+            self.state: LoRAState = make_state()
+        elif self.device.type == "cuda":
+            from tianxia.layers.lora_stacked import StackedLoRAState
+
+            # room for the resident adapters and as many again pinned by requests past the LRU's size
+            self.state = StackedLoRAState(model, model.lora_targets(), positions=2 * self.capacity,
+                                          max_rank=config.max_lora_rank, max_rows=max_rows,
+                                          dtype=param.dtype, device=self.device)
+        else:
+            self.state = LoRAState(model, model.lora_targets())
         # name -> the adapter files and their scales (several: their deltas are summed)
         self.sources: dict[str, tuple[tuple[str, float], ...]] = {}
         self.slot_of: dict[str, int] = {}

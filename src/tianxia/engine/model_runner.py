@@ -115,13 +115,15 @@ class ModelRunner:
         rows = list(step.sample_rows)
         row_slots = self.lora_rows(step)
         keep = self._rows_to_keep(step, rows, ids.shape[0])
-        if row_slots:
-            self.lora.begin_step(row_slots, keep)
+        # a device state's graphs read every step's rows (base rows too: -1)
+        on_device = self.lora is not None and self.lora.on_device
+        if row_slots or on_device:
+            self.lora.begin_step(row_slots or [-1] * ids.shape[0], keep)
         try:
             # rows with an adapter take the module forward, whose hooks add the adapters'
-            # deltas, unless the fused decode step takes them
+            # deltas, unless the fused decode step or the decode graphs take them
             graph_logits = (self._decode_logits(step, ids, pos, meta)
-                            if not row_slots or self.fused_lora else None)
+                            if not row_slots or self.fused_lora or on_device else None)
             if graph_logits is not None:
                 hidden = None
             elif keep is not None:
@@ -132,7 +134,7 @@ class ModelRunner:
             else:
                 hidden = self.model(ids, pos, self.kv_caches, meta)
         finally:
-            if row_slots:
+            if row_slots or on_device:
                 self.lora.end_step()
         if hidden is not None:
             self.route_counts["eager"] += 1
@@ -235,6 +237,11 @@ class ModelRunner:
                 if isinstance(module, RotaryEmbedding):
                     module.ensure_positions(max_model_len)
         self.decode_step = self.model.fast_decode_step(self.kv_caches, max_model_len) if fused_step else None
+        if self.lora is not None and self.decode_step is not None:
+            # a fused step that takes rows with adapters keeps their steps (before any capture:
+            # on a GPU it may change how it runs its projections)
+            attach = getattr(self.decode_step, "attach_lora", None)
+            self.fused_lora = attach is not None and attach(self.lora)
         if self.device.type != "cuda":
             return
         if enforce_eager:

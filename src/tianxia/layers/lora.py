@@ -212,6 +212,10 @@ class LoRAState:
     """The adapters a model serves (by slot) and the current step's rows per adapter; forward
     hooks on the targeted modules add each group's delta to the module's output."""
 
+    #: whether the hooks run the same device operations every step, so CUDA graphs capture them
+    #: (:class:`~tianxia.layers.lora_stacked.StackedLoRAState`)
+    on_device = False
+
     def __init__(self, model: nn.Module, targets: dict[str, LoRATarget]) -> None:
         self.targets = targets
         self.slots: dict[int, LoRAAdapter] = {}

@@ -93,6 +93,17 @@ class LlamaGpuStep:
         self.head_dim = cfg.head_dim
         self.use_gemv = True
 
+    def attach_lora(self, state) -> bool:
+        """Take rows with LoRA adapters when ``state`` runs on the device (a
+        :class:`~tianxia.layers.lora_stacked.StackedLoRAState`): the projections then go through
+        their modules at every batch size (the ``cublas`` form), whose hooks add the deltas inside
+        the captured graphs; the GEMV form, which fuses the norms into the products, is dropped."""
+        if not state.on_device:
+            return False
+        self.variants = ("cublas",)
+        self.set_variant("cublas")
+        return True
+
     def set_variant(self, name: str) -> None:
         if name not in self.variants:
             raise ValueError(f"unknown decode step variant {name!r}; known: {self.variants}")

@@ -1,0 +1,147 @@
+"""LoRA adapters on one GPU: the 256-sequence workload of ``gpu_fast_path.py`` (input and output
+lengths uniform in [100, 1024], greedy, EOS ignored) on a random-weight model of the Qwen2.5-0.5B
+shape, saved as a Hugging Face directory and loaded through tianxia's loader, with random PEFT
+adapters of rank 16 on every projection (q, k, v, o, gate, up, down):
+
+- ``base``: the engine without ``--enable-lora``;
+- ``base, LoRA on``: the LoRA engine, every request on the base model;
+- ``1 adapter``: every request on one adapter;
+- ``4 adapters``: the requests spread over 4 adapters (the batch mixes them).
+
+Output tokens/s of each, and the ratio to ``base``; batch-1 decode ms/token with an adapter.
+
+    PYTHONPATH=src python benchmarks/gpu_lora.py --out /tmp/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def make_adapters(model_dir: Path, root: Path, n: int, rank: int) -> list[Path]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    paths = []
+    for i in range(n):
+        torch.manual_seed(i)
+        peft = get_peft_model(base, LoraConfig(
+            r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        paths.append(root / f"adapter{i}")
+        peft.save_pretrained(str(paths[-1]))
+        peft.unload()
+    return paths
+
+
+def run(llm, prompts, outs, loras) -> float:
+    from tianxia import SamplingParams
+
+    engine = llm.engine
+    for i, (p, m) in enumerate(zip(prompts, outs)):
+        engine.add_request(f"w{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
+                           SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, temperature=0.0),
+                           lora_request=loras[i % len(loras)])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    done = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done += len(o.outputs[0].token_ids)
+    torch.cuda.synchronize()
+    assert done == sum(outs)
+    return time.perf_counter() - t0
+
+
+def batch1_ms(llm, prompt, lora, n: int = 128) -> float:
+    steps = []
+    from tianxia import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(f"b1-{time.monotonic_ns()}", {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0),
+                       lora_request=lora)
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    return sum(steps[1:]) / len(steps[1:]) * 1e3
+
+
+def main() -> int:
+    from gpu_build_startup import make_model_dir
+
+    from tianxia import LLM
+    from tianxia.engine.lora_manager import LoRARequest
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="tx-lora-"))
+    d = make_model_dir(root, args.shape)
+    adapters = make_adapters(d, root, 4, args.rank)
+    rng = random.Random(3)
+    lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.num_seqs)]
+    prompts = [[rng.randrange(1, 150000) for _ in range(i)] for i, _ in lens]
+    outs = [o for _, o in lens]
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=args.num_seqs, max_model_len=2048,
+                  max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+    res: dict = {}
+    llm = LLM(str(d), **common)
+    run(llm, prompts, [8] * len(prompts), [None])  # warm-up: every prompt shape
+    res["base"] = sum(outs) / run(llm, prompts, outs, [None])
+    res["batch1_base_ms"] = batch1_ms(llm, prompts[0][:128], None)
+    print(f"base: {res['base']:.0f} tok/s", flush=True)
+    del llm
+    torch.cuda.empty_cache()
+    llm = LLM(str(d), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    for r in loras:
+        llm.engine.add_lora(r.lora_name, r.lora_path)
+    runner = llm.engine.runner
+    res["route"] = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
+                    else "graph of the module forward" if runner.graph_runner is not None else "eager")
+    run(llm, prompts, [8] * len(prompts), loras)
+    for name, chosen in (("base, LoRA on", [None]), ("1 adapter", loras[:1]), ("4 adapters", loras)):
+        runner.route_counts.clear()
+        res[name] = sum(outs) / run(llm, prompts, outs, chosen)
+        res[f"{name} routes"] = dict(runner.route_counts)
+        print(f"{name}: {res[name]:.0f} tok/s ({res[name] / res['base']:.3f} of base), routes "
+              f"{dict(runner.route_counts)}", flush=True)
+    res["batch1_lora_ms"] = batch1_ms(llm, prompts[0][:128], loras[0])
+    lines = ["| case | output tok/s | vs base |", "|---|---|---|"]
+    for name in ("base", "base, LoRA on", "1 adapter", "4 adapters"):
+        lines.append(f"| {name} | {res[name]:.0f} | {res[name] / res['base']:.3f} |")
+    text = (f"{args.shape}, {args.num_seqs} sequences, rank {args.rank}, decode route with LoRA: {res['route']}\n\n"
+            + "\n".join(lines) + f"\n\nbatch-1 ms/token: base {res['batch1_base_ms']:.3f}, "
+            f"adapter {res['batch1_lora_ms']:.3f}\n")
+    (out / "gpu_lora.md").write_text(text)
+    (out / "gpu_lora.json").write_text(json.dumps(res, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

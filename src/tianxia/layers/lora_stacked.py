@@ -1,0 +1,121 @@
+"""LoRA adapters inside CUDA graphs: every resident adapter's matrices stacked in fixed device
+buffers, and each row's adapter read from a device tensor.
+
+:class:`~tianxia.layers.lora.LoRAState` groups a step's rows by adapter on the host and runs one
+product per group; the groups change every step, so a captured graph cannot replay them. Here
+each targeted module keeps, for ``S`` adapter positions, ``A`` stacked ``[S * W, in]`` and ``B``
+``[out, S * W]`` (``W`` columns per position: the module's parts times the largest rank, the
+unused ones zero), and a step's delta is
+
+    out += ((x @ A.T) * (row_position == column_position)) @ B.T
+
+three products and a mask for every row at once, whatever the mix of adapters: the shapes depend
+on the batch size only, so the decode graphs capture the hooks with the rest of the step and a
+step with adapters replays like one without (base rows have position -1: a zero mask). A put or
+a drop rewrites a position's columns in place, so the graphs stay valid.
+
+This is vLLM's approach of fixed GPU LoRA slots with per-token indices (its Punica kernels read
+each row's own slice; these dense products read all ``S * W`` columns, which at ranks of 8-64 and
+a few adapters costs little next to the base product).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tianxia.layers.lora import LoRAAdapter, LoRAError, LoRAState, LoRATarget
+
+
+class StackedLoRAState(LoRAState):
+    """A :class:`LoRAState` whose hooks run the same operations on every step (graph-safe)."""
+
+    on_device = True
+
+    def __init__(self, model: nn.Module, targets: dict[str, LoRATarget], *, positions: int, max_rank: int,
+                 max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.positions, self.max_rank = positions, max_rank
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.columns: dict[str, torch.Tensor] = {}  # each stacked column's position
+        for name, target in targets.items():
+            width = len(target.parts) * max_rank
+            out = sum(rows for _, rows in target.parts)
+            self.a[name] = torch.zeros(positions * width, target.in_features, dtype=dtype, device=device)
+            self.b[name] = torch.zeros(out, positions * width, dtype=dtype, device=device)
+            self.columns[name] = torch.arange(positions * width, device=device) // width
+        self.position_of: dict[int, int] = {}  # adapter slot -> stacked position
+        # each row's position: the graphs read these; eager steps read per-step tensors
+        self.static_rows = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self._step_rows: dict[int, torch.Tensor] = {}
+        self._active = True  # outside a step (graph capture): the hooks record their products
+        self.device = device
+        super().__init__(model, targets)
+
+    def put(self, slot: int, adapter: LoRAAdapter) -> None:
+        free = sorted(set(range(self.positions)) - set(self.position_of.values()))
+        pos = self.position_of.get(slot, free[0] if free else None)
+        if pos is None:
+            raise LoRAError(f"adapter {adapter.name!r}: all {self.positions} GPU adapter positions are in use "
+                            "by running requests; raise --max-loras or --max-cpu-loras")
+        for name, parts in adapter.weights.items():
+            width = self.a[name].shape[0] // self.positions
+            if sum(p.a.shape[0] for p in parts) > width:
+                raise LoRAError(f"adapter {adapter.name!r}: {name} needs rank {sum(p.a.shape[0] for p in parts)}, "
+                                f"above the {width} columns --max-lora-rank {self.max_rank} gives it")
+        self._clear(pos)
+        for name, parts in adapter.weights.items():
+            col = pos * (self.a[name].shape[0] // self.positions)
+            for p in parts:
+                r = p.a.shape[0]
+                self.a[name][col : col + r].copy_(p.a)
+                self.b[name][p.row0 : p.row0 + p.b.shape[0], col : col + r].copy_(p.b)
+                col += r
+        self.position_of[slot] = pos
+        super().put(slot, adapter)
+
+    def drop(self, slot: int) -> None:
+        self._clear(self.position_of.pop(slot))
+        super().drop(slot)
+
+    def _clear(self, pos: int) -> None:
+        for name, a in self.a.items():
+            width = a.shape[0] // self.positions
+            a[pos * width : (pos + 1) * width].zero_()
+            self.b[name][:, pos * width : (pos + 1) * width].zero_()
+
+    def begin_step(self, row_slots: list[int], keep: list[int] | None) -> None:
+        rows = [self.position_of.get(s, -1) if s >= 0 else -1 for s in row_slots]
+        self._active = any(r >= 0 for r in rows)
+        if not self._active:
+            self.static_rows.fill_(-1)
+            return
+        t = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._step_rows = {len(rows): t}
+        if keep is not None:
+            self._step_rows.setdefault(len(keep), t[torch.tensor(keep, device=self.device)])
+        n = min(len(rows), self.static_rows.shape[0])
+        self.static_rows[:n].copy_(t[:n])
+        self.static_rows[n:].fill_(-1)
+
+    def end_step(self) -> None:
+        self._step_rows = {}
+        self._active = True
+
+    def _hook(self, name: str):
+        a, b, columns = self.a[name], self.b[name], self.columns[name]
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            if not self._active:
+                return output
+            n = output.shape[0]
+            rows = self._step_rows.get(n)
+            if rows is None:
+                rows = self.static_rows[:n]
+            x = inputs[0]
+            shrunk = (x.to(a.dtype) @ a.T) * (rows[:, None] == columns[None, :])
+            flat = output.view(-1, output.shape[-1])
+            flat.addmm_(shrunk.to(flat.dtype), b.T.to(flat.dtype))
+            return output
+
+        return hook
