@@ -85,6 +85,33 @@ def batch1_ms(llm, prompt, lora, n: int = 128) -> float:
     return sum(steps[1:]) / len(steps[1:]) * 1e3
 
 
+def logprob_error(llm, model_dir: Path, adapter: Path | None, lora, prompts: list[list[int]], n: int = 16) -> dict:
+    """Our greedy tokens' logprobs (through the decode graphs) against transformers (+ peft)
+    teacher-forced on the same tokens, bf16: max and mean absolute difference."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tianxia import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False, lora_request=lora)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda()
+    if adapter is not None:
+        ref = PeftModel.from_pretrained(ref, str(adapter))
+    diffs = []
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            toks = list(o.outputs[0].token_ids)
+            ids = torch.tensor([p + toks], device="cuda")
+            lp = ref(ids).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
+            for i, t in enumerate(toks):
+                diffs.append(abs(lp[i, t].item() - o.outputs[0].logprobs[i][t].logprob))
+    del ref
+    torch.cuda.empty_cache()
+    return {"max": max(diffs), "mean": sum(diffs) / len(diffs)}
+
+
 def main() -> int:
     from gpu_build_startup import make_model_dir
 
@@ -131,12 +158,18 @@ def main() -> int:
         print(f"{name}: {res[name]:.0f} tok/s ({res[name] / res['base']:.3f} of base), routes "
               f"{dict(runner.route_counts)}", flush=True)
     res["batch1_lora_ms"] = batch1_ms(llm, prompts[0][:128], loras[0])
+    short = [p[:32] for p in prompts[:4]]
+    res["logprob_error_base"] = logprob_error(llm, d, None, None, short)
+    res["logprob_error_adapter"] = logprob_error(llm, d, adapters[0], loras[0], short)
+    print("logprob error vs transformers+peft:", res["logprob_error_base"], res["logprob_error_adapter"], flush=True)
     lines = ["| case | output tok/s | vs base |", "|---|---|---|"]
     for name in ("base", "base, LoRA on", "1 adapter", "4 adapters"):
         lines.append(f"| {name} | {res[name]:.0f} | {res[name] / res['base']:.3f} |")
     text = (f"{args.shape}, {args.num_seqs} sequences, rank {args.rank}, decode route with LoRA: {res['route']}\n\n"
             + "\n".join(lines) + f"\n\nbatch-1 ms/token: base {res['batch1_base_ms']:.3f}, "
-            f"adapter {res['batch1_lora_ms']:.3f}\n")
+            f"adapter {res['batch1_lora_ms']:.3f}\n\nlogprob |ours - transformers(+peft)|, bf16, 4 prompts x 16 "
+            f"tokens: base max {res['logprob_error_base']['max']:.3f} mean {res['logprob_error_base']['mean']:.4f}; "
+            f"adapter max {res['logprob_error_adapter']['max']:.3f} mean {res['logprob_error_adapter']['mean']:.4f}\n")
     (out / "gpu_lora.md").write_text(text)
     (out / "gpu_lora.json").write_text(json.dumps(res, indent=1))
     print(text)
