@@ -219,6 +219,27 @@ def test_add_rmsnorm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_layernorm(dtype, with_residual, bias):
+    g = torch.Generator().manual_seed(8)
+    norm = torch.nn.LayerNorm(48, eps=1e-5, bias=bias)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+        if bias:
+            norm.bias.copy_(torch.randn(48, generator=g))
+    norm = norm.to(dtype).to(DEV)
+    x = (torch.randn(5, 48, generator=g) + 3.0).to(dtype).to(DEV)  # a mean far from 0
+    res = torch.randn(5, 48, generator=g).to(dtype).to(DEV) if with_residual else None
+    out, new_res = tpw.add_layernorm(x, res, norm.weight, norm.bias, 1e-5)
+    if res is None:
+        assert new_res is x
+    else:
+        torch.testing.assert_close(new_res, x + res, **_exact(dtype))
+    torch.testing.assert_close(out, norm(new_res), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     from tianxia.layers.activation import SiluAndMul
 
@@ -306,13 +327,14 @@ def test_rope_variants(dtype, layout, norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu"])
+@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu", "layernorm", "add_layernorm",
+                                  "gelu_new", "gelu", "add"])
 def test_gemv(dtype, mode):
     K, N = 96, 40
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, K, generator=g).to(dtype).to(DEV)
     w = (torch.randn(2 * N if mode == "silu" else N, K, generator=g) / K**0.5).to(dtype).to(DEV)
-    b = torch.randn(N, generator=g).to(dtype).to(DEV) if mode == "bias" else None
+    b = torch.randn(N, generator=g).to(dtype).to(DEV) if mode in ("bias", "gelu_new", "gelu") else None
     nw = torch.randn(K, generator=g).to(dtype).to(DEV)
     res = torch.randn(1, K, generator=g).to(dtype).to(DEV)
     kw = dict(block_n=8, block_k=32)
@@ -324,6 +346,28 @@ def test_gemv(dtype, mode):
 
         ref = SiluAndMul()(torch.nn.functional.linear(x, w))
         out = tlin.gemv(x, w, act="silu", **kw)
+    elif mode in ("gelu_new", "gelu"):
+        from tianxia.layers.activation import get_activation
+
+        ref = get_activation(mode)(torch.nn.functional.linear(x, w, b))
+        out = tlin.gemv(x, w, b, out_act=mode, **kw)
+    elif mode == "add":
+        ref = torch.nn.functional.linear(x, w) + res[:, :N]
+        out = tlin.gemv(x, w, add=res[:, :N], **kw)
+    elif mode in ("layernorm", "add_layernorm"):
+        norm = torch.nn.LayerNorm(K, eps=1e-5).to(DEV).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(nw)
+            norm.bias.copy_(torch.randn(K, generator=g))
+        ln = dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=1e-5, layer_norm=True, **kw)
+        if mode == "layernorm":
+            ref_res = x
+            out, new_res = tlin.gemv(x, w, **ln)
+        else:
+            ref_res = x + res
+            out, new_res = tlin.gemv(x, w, residual=res, **ln)
+        ref = torch.nn.functional.linear(norm(ref_res), w)
+        torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     else:
         from tianxia.layers.norm import RMSNorm
 
