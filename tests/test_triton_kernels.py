@@ -619,16 +619,19 @@ def _routes_agree(llm, prompts, params, installs) -> None:
 
 @pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3",
-                                  "mistral-swa", "gpt2", "falcon", "falcon-seq"])
+                                  "mistral-swa", "gpt2", "falcon", "falcon-mq", "falcon-seq"])
 def test_every_family_decodes_through_the_graph_runner(arch, family_models, monkeypatch):
     """The decode functions a GPU captures, run here uncaptured with the Triton backend: the
     family's fused GPU step (Llama-style families: q/k norms, Gemma norms and soft-capping,
-    partial and interleaved RoPE, sliding windows) and the module forward over the runner's
-    static, padded buffers (every family), each giving the eager path's tokens. Three prompts
-    (padded to a batch of 4) take the GEMM form of the fused step; one prompt its GEMV form, with
-    the Llama and the Gemma norm prologues and the SiLU and GeGLU epilogues."""
+    partial and interleaved RoPE, sliding windows; GPT-2; Falcon's two-LayerNorm, one-LayerNorm
+    parallel and sequential blocks) and the module forward over the runner's static, padded
+    buffers (every family), each giving the eager path's tokens. Three prompts (padded to a batch
+    of 4) take the GEMM form of the fused step; one prompt its GEMV form, with the Llama, Gemma
+    and LayerNorm prologues and the SiLU, GeGLU and GELU epilogues."""
     from tianxia import LLM, SamplingParams
     from tianxia.engine.cuda_graph import CudaGraphRunner, module_decode_fn
+    from tianxia.models.falcon_gpu_step import FalconGpuStep
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
     from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
@@ -650,15 +653,16 @@ def test_every_family_decodes_through_the_graph_runner(arch, family_models, monk
     def module_route(runner):
         graph_runner(runner, module_decode_fn(runner.model, runner.kv_caches))
 
+    step_cls = LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep if arch == "gpt2" else FalconGpuStep
+
     def fused_route(runner):
-        step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+        step = step_cls(runner.model, runner.kv_caches, 64)
         graph_runner(runner, step, step)
 
-    fused = [fused_route] if arch in LLAMA_STYLE else []
     batch = [{"prompt_token_ids": p} for p in (ids[:5], ids[:11], ids[:7])]
-    _routes_agree(llm, batch, params, [module_route, *fused])
-    if arch in ("qwen2", "gemma2"):
-        _routes_agree(llm, batch[1:2], params, fused)
+    _routes_agree(llm, batch, params, [module_route, fused_route])
+    if arch in ("qwen2", "gemma2", "gpt2", "falcon", "falcon-mq", "falcon-seq"):
+        _routes_agree(llm, batch[1:2], params, [fused_route])
 
 
 # --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------
