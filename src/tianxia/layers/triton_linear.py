@@ -193,11 +193,13 @@ def gemv(
         x, w, bias if bias is not None else w, out,
         residual.contiguous() if residual is not None else x, rout,
         norm_weight if norm_weight is not None else w, norm_bias if norm_bias is not None else w,
-        w_scale if w_scale is not None else x, add.contiguous() if add is not None else x, float(eps), N, K,
+        w_scale if w_scale is not None else x, add.contiguous() if add is not None else x,
+        float(eps), N, K,
     )
     flags = dict(HAS_BIAS=bias is not None, NORM=norm, GEMMA=gemma_norm, LAYER=layer_norm,
-                 HAS_NB=norm_bias is not None, ACT=gated_act, OUT_ACT=0 if out_act is None else ACTIVATIONS[out_act],
-                 HAS_ADD=add is not None, HAS_SCALE=w_scale is not None)
+                 HAS_NB=norm_bias is not None, ACT=gated_act,
+                 OUT_ACT=0 if out_act is None else ACTIVATIONS[out_act], HAS_ADD=add is not None,
+                 HAS_SCALE=w_scale is not None)
     if block_n is not None or interpreting():
         # the interpreter runs each program in turn: few, wide ones
         bn, bk = block_n or (64 if interpreting() else 8), block_k or 128
