@@ -388,19 +388,32 @@ def test_gemv(dtype, mode):
 # --- the fused decode forward, against the model's own forward --------------------------------------
 
 
-def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True):
+# the layouts of the non-Llama families' fused steps: architecture, config fields
+_TINY_FAMILIES = {
+    "gpt2": ("gpt2", dict(num_key_value_heads=4, hidden_act="gelu_new", rms_norm_eps=1e-5)),
+    "falcon": ("falcon", dict(hidden_act="gelu", rms_norm_eps=1e-5, extra={
+        "new_decoder_architecture": True, "parallel_attn": True, "num_ln_in_parallel_attn": 2})),
+    "falcon-mq": ("falcon", dict(num_key_value_heads=1, hidden_act="gelu", extra={
+        "new_decoder_architecture": False, "parallel_attn": True, "num_ln_in_parallel_attn": 1})),
+    "falcon-seq": ("falcon", dict(num_key_value_heads=4, hidden_act="gelu", extra={
+        "new_decoder_architecture": False, "parallel_attn": False, "num_ln_in_parallel_attn": 1})),
+}
+
+
+def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True, family="qwen2"):
     from tianxia.config import CacheConfig, ModelConfig
     from tianxia.engine.model_runner import ModelRunner
-    from tianxia.models.llama import LlamaForCausalLM
+    from tianxia.models.registry import get_model_class
 
-    cfg = ModelConfig(
-        architecture="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=96,
+    arch, fields = _TINY_FAMILIES.get(family, (family, {}))
+    cfg = ModelConfig(**dict(dict(
+        architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=96,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=bias,
         tie_word_embeddings=tie,
-    )
+    ), **fields))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, get_backend(DEV, "triton")).to(DEV)
+    model = get_model_class(cfg)(cfg, get_backend(DEV, "triton")).to(DEV)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
@@ -456,7 +469,7 @@ def test_fused_decode_matches_model(batch):
     assert runner2.route_counts["graph"] == 5
 
 
-def _check_fused_decoder_logits(runner, cfg) -> None:
+def _check_fused_decoder_logits(runner, cfg, step_cls=None) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
     from tianxia.engine.sequence import Sequence
     from tianxia.engine.step_io import make_step_input
@@ -466,7 +479,7 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
     _greedy(runner, prompts, 2)  # fills the cache
-    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+    step = (step_cls or LlamaGpuStep)(runner.model, runner.kv_caches, 64)
     for b in (1, 3):
         seqs = []
         for i, p in enumerate(prompts[:b]):
@@ -476,12 +489,23 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
             seqs.append(s)
         ids, pos, meta = runner.tensors(make_step_input([(s, 1) for s in seqs], 4, ()))
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        meta.num_splits = decode_num_splits(b, 2, 64)
+        meta.num_splits = decode_num_splits(b, cfg.num_key_value_heads, 64)
         torch.testing.assert_close(step(ids, pos, meta), ref, atol=1e-3, rtol=1e-3)
 
 
 def test_fused_decoder_logits_close():
     _check_fused_decoder_logits(*_tiny_runner(torch.float32, tie=False))
+
+
+@pytest.mark.parametrize("family", list(_TINY_FAMILIES))
+def test_layernorm_family_steps_logits_close(family):
+    """GPT-2's and Falcon's fused steps (LayerNorm prologues, GELU epilogues, Falcon's parallel
+    sum) against their module forward, on the GPU as well as in the interpreter."""
+    from tianxia.models.falcon_gpu_step import FalconGpuStep
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
+
+    runner, cfg = _tiny_runner(torch.float32, tie=family != "falcon", family=family)
+    _check_fused_decoder_logits(runner, cfg, GPT2GpuStep if family == "gpt2" else FalconGpuStep)
 
 
 # --- int8 / fp8 weights with per-channel scales ------------------------------------------------------
