@@ -19,6 +19,7 @@ from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import dense_linear
+from tianxia.models.base import DecodeStep
 from tianxia.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,10 @@ class FalconForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, meta, keep)
 
-    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int):
-        """The fused GPU decode step (:mod:`tianxia.models.falcon_gpu_step`) on CUDA; None (with the
-        reason logged) elsewhere, and the engine runs (and on CUDA captures) the module forward."""
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
+        """The fused GPU decode step (:mod:`tianxia.models.falcon_gpu_step`) on CUDA; None elsewhere
+        or where it does not apply (the reason logged), and the engine runs (and on CUDA
+        captures) the module forward."""
         if self.transformer.word_embeddings.weight.device.type != "cuda":
             return None  # no fused CPU step: the module forward is the CPU route
         from tianxia.models import falcon_gpu_step as step

@@ -16,6 +16,7 @@ from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import dense_linear
+from tianxia.models.base import DecodeStep
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,10 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, meta, keep)
 
-    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int):
-        """The fused GPU decode step (:mod:`tianxia.models.gpt2_gpu_step`) on CUDA; None (with the
-        reason logged) elsewhere, and the engine runs (and on CUDA captures) the module forward."""
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
+        """The fused GPU decode step (:mod:`tianxia.models.gpt2_gpu_step`) on CUDA; None elsewhere
+        or where it does not apply (the reason logged), and the engine runs (and on CUDA
+        captures) the module forward."""
         if self.transformer.wte.weight.device.type != "cuda":
             return None  # no fused CPU step: the module forward is the CPU route
         from tianxia.models import gpt2_gpu_step as step
