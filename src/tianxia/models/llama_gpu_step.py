@@ -10,7 +10,8 @@ kernel, split-K paged decode attention, the output projection, add + RMSNorm, ga
 activation, down. At batch 1 each projection is a Triton GEMV with the norm fused into its
 prologue and the bias / gated activation into its epilogue (6 or 7 launches a layer), unless a
 cuBLAS-projection graph replays faster at capture time (small models: the ``cublas`` variant); at
-larger batches the projections are cuBLAS GEMMs.
+larger batches the projections are cuBLAS GEMMs. Those two forms of a sub-layer are
+:mod:`tianxia.models.gpu_step`'s, shared with GPT-2's and Falcon's steps.
 
 Every family of :mod:`tianxia.models.llama` runs here: Gemma's offset norms, embedding scale,
 sandwich norms, GeGLU and soft-capping, q/k norms (Qwen3, Gemma 3), partial and interleaved RoPE
