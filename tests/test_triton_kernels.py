@@ -219,6 +219,27 @@ def test_add_rmsnorm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_layernorm(dtype, with_residual, bias):
+    g = torch.Generator().manual_seed(8)
+    norm = torch.nn.LayerNorm(48, eps=1e-5, bias=bias)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g))
+        if bias:
+            norm.bias.copy_(torch.randn(48, generator=g))
+    norm = norm.to(dtype).to(DEV)
+    x = (torch.randn(5, 48, generator=g) + 3.0).to(dtype).to(DEV)  # a mean far from 0
+    res = torch.randn(5, 48, generator=g).to(dtype).to(DEV) if with_residual else None
+    out, new_res = tpw.add_layernorm(x, res, norm.weight, norm.bias, 1e-5)
+    if res is None:
+        assert new_res is x
+    else:
+        torch.testing.assert_close(new_res, x + res, **_exact(dtype))
+    torch.testing.assert_close(out, norm(new_res), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     from tianxia.layers.activation import SiluAndMul
 
@@ -306,13 +327,14 @@ def test_rope_variants(dtype, layout, norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu"])
+@pytest.mark.parametrize("mode", ["plain", "bias", "norm", "add_norm", "silu", "layernorm", "add_layernorm",
+                                  "gelu_new", "gelu", "add"])
 def test_gemv(dtype, mode):
     K, N = 96, 40
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, K, generator=g).to(dtype).to(DEV)
     w = (torch.randn(2 * N if mode == "silu" else N, K, generator=g) / K**0.5).to(dtype).to(DEV)
-    b = torch.randn(N, generator=g).to(dtype).to(DEV) if mode == "bias" else None
+    b = torch.randn(N, generator=g).to(dtype).to(DEV) if mode in ("bias", "gelu_new", "gelu") else None
     nw = torch.randn(K, generator=g).to(dtype).to(DEV)
     res = torch.randn(1, K, generator=g).to(dtype).to(DEV)
     kw = dict(block_n=8, block_k=32)
@@ -324,6 +346,28 @@ def test_gemv(dtype, mode):
 
         ref = SiluAndMul()(torch.nn.functional.linear(x, w))
         out = tlin.gemv(x, w, act="silu", **kw)
+    elif mode in ("gelu_new", "gelu"):
+        from tianxia.layers.activation import get_activation
+
+        ref = get_activation(mode)(torch.nn.functional.linear(x, w, b))
+        out = tlin.gemv(x, w, b, out_act=mode, **kw)
+    elif mode == "add":
+        ref = torch.nn.functional.linear(x, w) + res[:, :N]
+        out = tlin.gemv(x, w, add=res[:, :N], **kw)
+    elif mode in ("layernorm", "add_layernorm"):
+        norm = torch.nn.LayerNorm(K, eps=1e-5).to(DEV).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(nw)
+            norm.bias.copy_(torch.randn(K, generator=g))
+        ln = dict(norm_weight=norm.weight, norm_bias=norm.bias, eps=1e-5, layer_norm=True, **kw)
+        if mode == "layernorm":
+            ref_res = x
+            out, new_res = tlin.gemv(x, w, **ln)
+        else:
+            ref_res = x + res
+            out, new_res = tlin.gemv(x, w, residual=res, **ln)
+        ref = torch.nn.functional.linear(norm(ref_res), w)
+        torch.testing.assert_close(new_res, ref_res, **_exact(dtype))
     else:
         from tianxia.layers.norm import RMSNorm
 
@@ -344,19 +388,32 @@ def test_gemv(dtype, mode):
 # --- the fused decode forward, against the model's own forward --------------------------------------
 
 
-def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True):
+# the layouts of the non-Llama families' fused steps: architecture, config fields
+_TINY_FAMILIES = {
+    "gpt2": ("gpt2", dict(num_key_value_heads=4, hidden_act="gelu_new", rms_norm_eps=1e-5)),
+    "falcon": ("falcon", dict(hidden_act="gelu", rms_norm_eps=1e-5, extra={
+        "new_decoder_architecture": True, "parallel_attn": True, "num_ln_in_parallel_attn": 2})),
+    "falcon-mq": ("falcon", dict(num_key_value_heads=1, hidden_act="gelu", extra={
+        "new_decoder_architecture": False, "parallel_attn": True, "num_ln_in_parallel_attn": 1})),
+    "falcon-seq": ("falcon", dict(num_key_value_heads=4, hidden_act="gelu", extra={
+        "new_decoder_architecture": False, "parallel_attn": False, "num_ln_in_parallel_attn": 1})),
+}
+
+
+def _tiny_runner(dtype, vocab=96, layers=2, bias=True, tie=True, family="qwen2"):
     from tianxia.config import CacheConfig, ModelConfig
     from tianxia.engine.model_runner import ModelRunner
-    from tianxia.models.llama import LlamaForCausalLM
+    from tianxia.models.registry import get_model_class
 
-    cfg = ModelConfig(
-        architecture="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=96,
+    arch, fields = _TINY_FAMILIES.get(family, (family, {}))
+    cfg = ModelConfig(**dict(dict(
+        architecture=arch, vocab_size=vocab, hidden_size=64, intermediate_size=96,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=bias,
         tie_word_embeddings=tie,
-    )
+    ), **fields))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, get_backend(DEV, "triton")).to(DEV)
+    model = get_model_class(cfg)(cfg, get_backend(DEV, "triton")).to(DEV)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
@@ -412,7 +469,7 @@ def test_fused_decode_matches_model(batch):
     assert runner2.route_counts["graph"] == 5
 
 
-def _check_fused_decoder_logits(runner, cfg) -> None:
+def _check_fused_decoder_logits(runner, cfg, step_cls=None) -> None:
     """One decode step: fused logits vs the eager model's, at batch 1 (GEMV path) and 3."""
     from tianxia.engine.sequence import Sequence
     from tianxia.engine.step_io import make_step_input
@@ -422,7 +479,7 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
 
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17]]
     _greedy(runner, prompts, 2)  # fills the cache
-    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+    step = (step_cls or LlamaGpuStep)(runner.model, runner.kv_caches, 64)
     for b in (1, 3):
         seqs = []
         for i, p in enumerate(prompts[:b]):
@@ -432,12 +489,23 @@ def _check_fused_decoder_logits(runner, cfg) -> None:
             seqs.append(s)
         ids, pos, meta = runner.tensors(make_step_input([(s, 1) for s in seqs], 4, ()))
         ref = runner.model.compute_logits(runner.model(ids, pos, runner.kv_caches, meta))
-        meta.num_splits = decode_num_splits(b, 2, 64)
+        meta.num_splits = decode_num_splits(b, cfg.num_key_value_heads, 64)
         torch.testing.assert_close(step(ids, pos, meta), ref, atol=1e-3, rtol=1e-3)
 
 
 def test_fused_decoder_logits_close():
     _check_fused_decoder_logits(*_tiny_runner(torch.float32, tie=False))
+
+
+@pytest.mark.parametrize("family", list(_TINY_FAMILIES))
+def test_layernorm_family_steps_logits_close(family):
+    """GPT-2's and Falcon's fused steps (LayerNorm prologues, GELU epilogues, Falcon's parallel
+    sum) against their module forward, on the GPU as well as in the interpreter."""
+    from tianxia.models.falcon_gpu_step import FalconGpuStep
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
+
+    runner, cfg = _tiny_runner(torch.float32, tie=family != "falcon", family=family)
+    _check_fused_decoder_logits(runner, cfg, GPT2GpuStep if family == "gpt2" else FalconGpuStep)
 
 
 # --- int8 / fp8 weights with per-channel scales ------------------------------------------------------
@@ -575,16 +643,19 @@ def _routes_agree(llm, prompts, params, installs) -> None:
 
 @pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "glm4", "gemma2", "gemma3",
-                                  "mistral-swa", "gpt2", "falcon", "falcon-seq"])
+                                  "mistral-swa", "gpt2", "falcon", "falcon-mq", "falcon-seq"])
 def test_every_family_decodes_through_the_graph_runner(arch, family_models, monkeypatch):
     """The decode functions a GPU captures, run here uncaptured with the Triton backend: the
     family's fused GPU step (Llama-style families: q/k norms, Gemma norms and soft-capping,
-    partial and interleaved RoPE, sliding windows) and the module forward over the runner's
-    static, padded buffers (every family), each giving the eager path's tokens. Three prompts
-    (padded to a batch of 4) take the GEMM form of the fused step; one prompt its GEMV form, with
-    the Llama and the Gemma norm prologues and the SiLU and GeGLU epilogues."""
+    partial and interleaved RoPE, sliding windows; GPT-2; Falcon's two-LayerNorm, one-LayerNorm
+    parallel and sequential blocks) and the module forward over the runner's static, padded
+    buffers (every family), each giving the eager path's tokens. Three prompts (padded to a batch
+    of 4) take the GEMM form of the fused step; one prompt its GEMV form, with the Llama, Gemma
+    and LayerNorm prologues and the SiLU, GeGLU and GELU epilogues."""
     from tianxia import LLM, SamplingParams
     from tianxia.engine.cuda_graph import CudaGraphRunner, module_decode_fn
+    from tianxia.models.falcon_gpu_step import FalconGpuStep
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
     from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
@@ -606,15 +677,16 @@ def test_every_family_decodes_through_the_graph_runner(arch, family_models, monk
     def module_route(runner):
         graph_runner(runner, module_decode_fn(runner.model, runner.kv_caches))
 
+    step_cls = LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep if arch == "gpt2" else FalconGpuStep
+
     def fused_route(runner):
-        step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+        step = step_cls(runner.model, runner.kv_caches, 64)
         graph_runner(runner, step, step)
 
-    fused = [fused_route] if arch in LLAMA_STYLE else []
     batch = [{"prompt_token_ids": p} for p in (ids[:5], ids[:11], ids[:7])]
-    _routes_agree(llm, batch, params, [module_route, *fused])
-    if arch in ("qwen2", "gemma2"):
-        _routes_agree(llm, batch[1:2], params, fused)
+    _routes_agree(llm, batch, params, [module_route, fused_route])
+    if arch in ("qwen2", "gemma2", "gpt2", "falcon", "falcon-mq", "falcon-seq"):
+        _routes_agree(llm, batch[1:2], params, [fused_route])
 
 
 # --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------

@@ -1,10 +1,11 @@
 """Triton matrix products of the GPU path: the batch-1 GEMV and the int8 / fp8 weight products.
 
 - ``gemv``: batch-1 ``x @ W.T`` for the memory-bound decode step, each program reading
-  ``BLOCK_N`` whole rows of W, with fused prologues (RMSNorm, or residual add + RMSNorm, of x:
-  the block's rows need the whole of x anyway) and epilogues (bias, ``silu(gate) * up`` over the
-  two halves of a fused gate/up weight). That removes the norm and activation launches of a layer
-  and their round trips through memory. Block shapes are autotuned per (N, K) on the GPU.
+  ``BLOCK_N`` whole rows of W, with fused prologues (RMSNorm or LayerNorm, or a residual add and
+  then the norm, of x: the block's rows need the whole of x anyway) and epilogues (bias, an
+  activation of each output, ``act(gate) * up`` over the two halves of a fused gate/up weight,
+  the addition of another vector). That removes the norm and activation launches of a layer and
+  their round trips through memory. Block shapes are autotuned per (N, K) on the GPU.
 - ``wq_matmul``: ``x @ (w * scale).T`` with an int8 or float8 weight widened in registers.
 - ``quantize_rows_fp8``: per-row float8 activations for W8A8 products, in one launch.
 """
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tianxia.layers.triton_pointwise import ACTIVATIONS, gated, normed
+from tianxia.layers.triton_pointwise import ACTIVATIONS, activation, layer_normed, mean_rstd, normed
 from tianxia.layers.triton_utils import interpreting
 
 
@@ -23,8 +24,9 @@ from tianxia.layers.triton_utils import interpreting
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, eps, N, K,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr, ACT: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, nb_ptr, s_ptr, a_ptr, eps, N, K,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr, LAYER: tl.constexpr,
+                 HAS_NB: tl.constexpr, ACT: tl.constexpr, OUT_ACT: tl.constexpr, HAS_ADD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -33,6 +35,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
     kk = tl.arange(0, BLOCK_K)
     xdt = x_ptr.dtype.element_ty
     rstd = 1.0
+    mean = 0.0
     if NORM > 0:
         # the whole row of x at once (one round trip, not one per K block)
         kp = tl.arange(0, K_PAD)
@@ -44,7 +47,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
             if pid == 0:
                 tl.store(rout_ptr + kp, xa, mask=kpm)
         xaf = xa.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xaf * xaf, 0) / K + eps)
+        if LAYER:
+            mean, rstd = mean_rstd(xaf, kpm, K, eps)
+        else:
+            rstd = tl.rsqrt(tl.sum(xaf * xaf, 0) / K + eps)
 
     w_rows = w_ptr + rn[:, None].to(tl.int64) * K
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -66,7 +72,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
                 nw = tl.load(nw_ptr + ks)
             else:
                 nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
-            xv = normed(xv.to(tl.float32), rstd, nw, GEMMA, xdt)
+            if LAYER:
+                nb = nw
+                if HAS_NB:
+                    if EVEN_K:
+                        nb = tl.load(nb_ptr + ks)
+                    else:
+                        nb = tl.load(nb_ptr + ks, mask=ks < K, other=0.0)
+                xv = layer_normed(xv.to(tl.float32), mean, rstd, nw, nb, HAS_NB, xdt)
+            else:
+                xv = normed(xv.to(tl.float32), rstd, nw, GEMMA, xdt)
         xf = xv.to(tl.float32)[None, :]
         if EVEN_K:
             wmask = nmask[:, None]
@@ -90,8 +105,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, rout_ptr, nw_ptr, s_ptr, e
         if HAS_SCALE:
             u *= tl.load(s_ptr + N + rn, mask=nmask, other=0.0)
         u = u.to(odt).to(tl.float32)
-        s = gated(g, ACT).to(odt).to(tl.float32)
+        s = activation(g, ACT).to(odt).to(tl.float32)
         y = s * u
+    if OUT_ACT > 0:
+        y = activation(y.to(odt).to(tl.float32), OUT_ACT)
+    if HAS_ADD:
+        # rounded first, as the eager ``linear(x) + a`` rounds its product
+        y = y.to(odt).to(tl.float32) + tl.load(a_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, y.to(odt), mask=nmask)
 
 
@@ -122,7 +142,9 @@ def _bench(fn, quantiles):
 
 
 _gemv_tuned = triton.autotune(
-    configs=_GEMV_CONFIGS, key=["N", "K", "NORM", "GEMMA", "ACT", "HAS_BIAS", "HAS_SCALE"], do_bench=_bench,
+    configs=_GEMV_CONFIGS,
+    key=["N", "K", "NORM", "GEMMA", "LAYER", "HAS_NB", "ACT", "OUT_ACT", "HAS_ADD", "HAS_BIAS", "HAS_SCALE"],
+    do_bench=_bench,
     cache_results=True,
 )(_gemv_fixed)
 
@@ -134,9 +156,13 @@ def gemv(
     *,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
     eps: float = 1e-6,
     gemma_norm: bool = False,
+    layer_norm: bool = False,
     act: str | None = None,
+    out_act: str | None = None,
+    add: torch.Tensor | None = None,  # [1, N]
     w_scale: torch.Tensor | None = None,  # [N] (or [2N]) float32, for an int8 / fp8 ``w``
     block_n: int | None = None,
     block_k: int | None = None,
@@ -146,10 +172,15 @@ def gemv(
     An int8 or float8 ``w`` comes with ``w_scale``, its per-row scales (``W = w * w_scale[:, None]``):
     the kernel reads the narrow weight, which is what makes quantized decode faster.
     With ``norm_weight``, x is first RMS-normalized (after adding ``residual`` if given; Gemma's
-    offset weight with ``gemma_norm``), and the call returns ``(out, new_residual)``; otherwise
-    ``out``. With ``act`` (``"silu"`` or ``"gelu_pytorch_tanh"``) ``w`` holds gate and up rows and
-    the output is ``act(gate) * up``.
+    offset weight with ``gemma_norm``; with ``layer_norm`` a LayerNorm instead, of weight
+    ``norm_weight`` and bias ``norm_bias``), and the call returns ``(out, new_residual)``;
+    otherwise ``out``. With ``act`` (a name of
+    :data:`~tianxia.layers.triton_pointwise.ACTIVATIONS`) ``w`` holds gate and up rows and the
+    output is ``act(gate) * up``; ``out_act`` applies an activation to each output instead
+    (``act(x @ W.T + bias)``, GPT-2's and Falcon's MLP). ``add`` is added last
+    (``linear(...) + add``, each rounded as eager torch rounds).
     """
+    assert not (act and out_act) and not (gemma_norm and layer_norm)
     assert x.shape[0] == 1 and w.is_contiguous()
     K = x.shape[1]
     gated_act = 0 if act is None else ACTIVATIONS[act]
@@ -161,10 +192,13 @@ def gemv(
     args = (
         x, w, bias if bias is not None else w, out,
         residual.contiguous() if residual is not None else x, rout,
-        norm_weight if norm_weight is not None else w,
-        w_scale if w_scale is not None else x, float(eps), N, K,
+        norm_weight if norm_weight is not None else w, norm_bias if norm_bias is not None else w,
+        w_scale if w_scale is not None else x, add.contiguous() if add is not None else x,
+        float(eps), N, K,
     )
-    flags = dict(HAS_BIAS=bias is not None, NORM=norm, GEMMA=gemma_norm, ACT=gated_act,
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm, GEMMA=gemma_norm, LAYER=layer_norm,
+                 HAS_NB=norm_bias is not None, ACT=gated_act,
+                 OUT_ACT=0 if out_act is None else ACTIVATIONS[out_act], HAS_ADD=add is not None,
                  HAS_SCALE=w_scale is not None)
     if block_n is not None or interpreting():
         # the interpreter runs each program in turn: few, wide ones

@@ -9,6 +9,7 @@ the attention splits it one way. ALiBi variants (Falcon-RW) are not supported.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,10 @@ from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import dense_linear
+from tianxia.models.base import DecodeStep
 from tianxia.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 def falcon_qkv_to_standard(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -140,8 +144,19 @@ class FalconForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, meta, keep)
 
-    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
-        return None  # the module forward is captured in CUDA graphs as it is
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
+        """The fused GPU decode step (:mod:`tianxia.models.falcon_gpu_step`) on CUDA; None elsewhere
+        or where it does not apply (the reason logged), and the engine runs (and on CUDA
+        captures) the module forward."""
+        if self.transformer.word_embeddings.weight.device.type != "cuda":
+            return None  # no fused CPU step: the module forward is the CPU route
+        from tianxia.models import falcon_gpu_step as step
+
+        reason = step.unsupported_reason(self)
+        if reason is None:
+            return step.FalconGpuStep(self, kv_caches, max_model_len)
+        logger.info("falcon: no fused decode step (%s)", reason)
+        return None
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         if self.transformer.rotary.rope_type == "dynamic":

@@ -6,6 +6,7 @@ transposes them into ``nn.Linear`` layout. Parameter names otherwise follow the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,9 @@ from tianxia.config import ModelConfig
 from tianxia.layers.activation import get_activation
 from tianxia.layers.attention import AttentionBackend, AttentionMetadata
 from tianxia.layers.linear import dense_linear
+from tianxia.models.base import DecodeStep
+
+logger = logging.getLogger(__name__)
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -90,8 +94,19 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, keep: torch.Tensor | None = None) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, meta, keep)
 
-    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
-        return None  # the module forward is captured in CUDA graphs as it is
+    def fast_decode_step(self, kv_caches: list[torch.Tensor], max_model_len: int) -> DecodeStep | None:
+        """The fused GPU decode step (:mod:`tianxia.models.gpt2_gpu_step`) on CUDA; None elsewhere
+        or where it does not apply (the reason logged), and the engine runs (and on CUDA
+        captures) the module forward."""
+        if self.transformer.wte.weight.device.type != "cuda":
+            return None  # no fused CPU step: the module forward is the CPU route
+        from tianxia.models import gpt2_gpu_step as step
+
+        reason = step.unsupported_reason(self)
+        if reason is None:
+            return step.GPT2GpuStep(self, kv_caches, max_model_len)
+        logger.info("gpt2: no fused decode step (%s)", reason)
+        return None
 
     def cuda_graph_unsafe_reason(self) -> str | None:
         return None

@@ -10,7 +10,8 @@ kernel, split-K paged decode attention, the output projection, add + RMSNorm, ga
 activation, down. At batch 1 each projection is a Triton GEMV with the norm fused into its
 prologue and the bias / gated activation into its epilogue (6 or 7 launches a layer), unless a
 cuBLAS-projection graph replays faster at capture time (small models: the ``cublas`` variant); at
-larger batches the projections are cuBLAS GEMMs.
+larger batches the projections are cuBLAS GEMMs. Those two forms of a sub-layer are
+:mod:`tianxia.models.gpu_step`'s, shared with GPT-2's and Falcon's steps.
 
 Every family of :mod:`tianxia.models.llama` runs here: Gemma's offset norms, embedding scale,
 sandwich norms, GeGLU and soft-capping, q/k norms (Qwen3, Gemma 3), partial and interleaved RoPE
@@ -27,6 +28,7 @@ from torch import nn
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
+from tianxia.models.gpu_step import GpuStep, StepNorm, attention_splits, linear, lm_logits, norm_linear
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -57,11 +59,8 @@ def _gated(act: nn.Module) -> str:
     return "silu" if isinstance(act, SiluAndMul) else act.name
 
 
-class LlamaGpuStep:
+class LlamaGpuStep(GpuStep):
     """A :class:`~tianxia.models.base.DecodeStep` over a LlamaForCausalLM's weights and KV caches."""
-
-    max_batch = None
-    variants = ("gemv", "cublas")
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_model_len: int) -> None:
         cfg = model.config
@@ -70,7 +69,7 @@ class LlamaGpuStep:
         self.embed = inner.embed_tokens.weight
         self.embed_scale = inner.embed_scale
         self.lm_head = inner.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        self.final_norm = (inner.norm.weight, inner.norm.eps)
+        self.final_norm = StepNorm.of(inner.norm)
         self.gemma = isinstance(inner.norm, GemmaRMSNorm)
         self.final_softcap = cfg.final_logit_softcapping
         for rope in inner.rotary_embs:
@@ -82,7 +81,7 @@ class LlamaGpuStep:
             if layer.sandwich:
                 norms.update(pre_ff=layer.pre_feedforward_layernorm, post_ff=layer.post_feedforward_layernorm)
             self.layers.append(dict(
-                norms={k: (n.weight, n.eps) for k, n in norms.items()},
+                norms={k: StepNorm.of(n) for k, n in norms.items()},
                 qkv=attn.qkv_proj, o=attn.o_proj, gu=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
                 act=_gated(layer.mlp.act), rope=attn.rotary_emb, scale=attn.scale, window=attn.sliding_window,
                 softcap=attn.softcap, sandwich=layer.sandwich,
@@ -91,85 +90,40 @@ class LlamaGpuStep:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.use_gemv = True
-
-    def attach_lora(self, state) -> bool:
-        """Take rows with LoRA adapters when ``state`` runs on the device (a
-        :class:`~tianxia.layers.lora_stacked.StackedLoRAState`): the projections then go through
-        their modules at every batch size (the ``cublas`` form), whose hooks add the deltas inside
-        the captured graphs; the GEMV form, which fuses the norms into the products, is dropped."""
-        if not state.on_device:
-            return False
-        self.variants = ("cublas",)
-        self.set_variant("cublas")
-        return True
-
-    def set_variant(self, name: str) -> None:
-        if name not in self.variants:
-            raise ValueError(f"unknown decode step variant {name!r}; known: {self.variants}")
-        self.use_gemv = name == "gemv"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [B, vocab] (float32) for one decode token per row."""
-        from tianxia.layers.attention.triton_attention import decode_attention, decode_num_splits
+        from tianxia.layers.attention.triton_attention import decode_attention
         from tianxia.layers.attention.triton_rope import rope_write_kv
-        from tianxia.layers.triton_linear import gemv
-        from tianxia.layers.triton_pointwise import act_mul, add_rmsnorm
 
         B = input_ids.shape[0]
-        hq, hk, d, gemma = self.num_heads, self.num_kv_heads, self.head_dim, self.gemma
-        splits = meta.num_splits or decode_num_splits(B, hk, max(meta.seq_lens, default=1))
-        gemv_path = B == 1 and self.use_gemv
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        splits = attention_splits(B, hk, meta)
+        g = self.gemv_path(B)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         res = None
-
-        def proj(mod, v, **fused):
-            # nn.Linear, or an int8 / fp8 ChannelwiseLinear (weight + per-row weight_scale)
-            if "norm_weight" in fused:
-                fused["gemma_norm"] = gemma
-            return gemv(v, mod.weight, mod.bias, w_scale=getattr(mod, "weight_scale", None), **fused)
-
-        def norm(v, r, key, L):
-            w, eps = L["norms"][key]
-            return add_rmsnorm(v, r, w, eps, gemma=gemma)
-
         for L, kv_cache in zip(self.layers, self.kv_caches):
-            w1, eps1 = L["norms"]["ln1"]
-            if gemv_path:
-                qkv, res = proj(L["qkv"], x, residual=res, norm_weight=w1, eps=eps1)
-            else:
-                h, res = norm(x, res, "ln1", L)
-                qkv = L["qkv"](h)
+            norms = L["norms"]
+            qkv, res = norm_linear(x, res, norms["ln1"], L["qkv"], g)
             rope = L["rope"]
             qn, kn, qk_eps = L["qk_norm"] or (None, None, 1e-6)
             q = rope_write_kv(qkv, positions, rope.cos_sin, kv_cache, meta.slot_mapping, hq, hk, d,
                               rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, q_norm=qn, k_norm=kn,
-                              eps=qk_eps, gemma_norm=gemma)
+                              eps=qk_eps, gemma_norm=self.gemma)
             o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
                                  sliding_window=L["window"], softcap=L["softcap"]).view(B, hq * d)
-            x = proj(L["o"], o) if gemv_path else L["o"](o)
-            ffn = "ln2"
+            x = linear(L["o"], o, g)
+            ffn = norms["ln2"]
             if L["sandwich"]:
-                x, _ = norm(x, None, "ln2", L)
-                ffn = "pre_ff"
-            if gemv_path:
-                wf, epsf = L["norms"][ffn]
-                act, res = proj(L["gu"], x, residual=res, norm_weight=wf, eps=epsf, act=L["act"])
-                x = proj(L["down"], act)
-            else:
-                h, res = norm(x, res, ffn, L)
-                x = L["down"](act_mul(L["gu"](h), L["act"]))
+                x, _ = norms["ln2"](x, None)
+                ffn = norms["pre_ff"]
+            act, res = norm_linear(x, res, ffn, L["gu"], g, act=L["act"])
+            x = linear(L["down"], act, g)
             if L["sandwich"]:
-                x, _ = norm(x, None, "post_ff", L)
-        w, eps = self.final_norm
-        if gemv_path:
-            logits, _ = gemv(x, self.lm_head, residual=res, norm_weight=w, eps=eps, gemma_norm=gemma)
-        else:
-            h, _ = add_rmsnorm(x, res, w, eps, gemma=gemma)
-            logits = F.linear(h, self.lm_head)
-        logits = logits.float()
+                x, _ = norms["post_ff"](x, None)
+        logits = lm_logits(x, res, self.final_norm, self.lm_head, g)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
