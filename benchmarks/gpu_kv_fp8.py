@@ -11,7 +11,8 @@
   greedy agreement of their own generations (tokens equal until the first divergence).
 
 ``--dry-run`` runs both at toy size on a CPU (a tiny random model for both, Triton's interpreter
-for the kernels) to check the script. Results: ``--out``/gpu_kv_fp8.json and .md.
+for the kernels) to check the script; there the model and its "bf16 KV" are float32, and that
+engine's decode steps take the fused C++ step, so its tokens/s says nothing about the GPU. Results: ``--out``/gpu_kv_fp8.json and .md.
 
     PYTHONPATH=src python benchmarks/gpu_test_model.py /tmp/smollm2-gpu-test.gguf
     PYTHONPATH=src python benchmarks/gpu_kv_fp8.py --out /tmp/out --gguf /tmp/smollm2-gpu-test.gguf
@@ -150,7 +151,8 @@ def report() -> str:
             r = lg[name]
             lines.append(
                 f"| {name} | {r['max_abs_logit_diff']:.4f} | {r['mean_abs_logit_diff']:.4f} | "
-                f"{r['greedy_equal_seqs']}/{lg['prompts']} | {r['greedy_equal_tokens']}/{lg['prompts'] * lg['tokens']} | "
+                f"{r['greedy_equal_seqs']}/{lg['prompts']} | "
+                f"{r['greedy_equal_tokens']}/{lg['prompts'] * lg['tokens']} | "
                 f"{r['k_scale_range'][0]:.3g}..{r['k_scale_range'][1]:.3g} | "
                 f"{r['v_scale_range'][0]:.3g}..{r['v_scale_range'][1]:.3g} |")
     return "\n".join(lines)

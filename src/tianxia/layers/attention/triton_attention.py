@@ -393,7 +393,8 @@ def prefill_attention(
     grid = (num_seqs, HQ, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc, out,
-        fp8_scales(kv_cache, kv_scale, seq_lens), float(scale), float(softcap or 1.0), int(sliding_window or 0), first_seq,
+        fp8_scales(kv_cache, kv_scale, seq_lens), float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        first_seq,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HK=HK, G=HQ // HK, D=D, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
