@@ -117,3 +117,57 @@ def reference(base: torch.nn.Module, adapter: Path | None, prompt_ids: list[int]
             model.unload()
     lps = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float().log_softmax(-1)
     return [int(t) for t in lps.argmax(-1)], list(lps)
+
+
+def use_triton_interpreter() -> bool:
+    """Call at the top of a test module that runs Triton kernels, before they are imported: skips
+    the module without Triton; without a GPU turns on Triton's interpreter (CPU tensors) and
+    works around its NumPy >= 2.4 issue. Returns whether a GPU runs them instead."""
+    import importlib.util
+    import os
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed", allow_module_level=True)
+    if torch.cuda.is_available():
+        return True
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # the interpreter must be on before triton's own jit functions are defined
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set; run with "
+                    "TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime import interpreter
+
+    if not getattr(interpreter._patch_lang_tensor, "_loop_bound_fix", False):
+        # the interpreter turns a loaded scalar (a 1-element array) into a loop bound with int(),
+        # which NumPy >= 2.4 refuses for 1-d arrays; take the element instead
+        original = interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patch_lang_tensor._loop_bound_fix = True
+        interpreter._patch_lang_tensor = _patch_lang_tensor
+    return False
+
+
+def exact_fp8_conversion(monkeypatch) -> None:
+    """Make Triton's interpreter convert float32 to float8 e4m3 as the GPU and torch do (round to
+    nearest even): its own conversion drops the carry of a round-up into the next binade (7.99 ->
+    4 where it should be 8) and rounds ties away from zero."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    original = InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            as_fp8 = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+            return TensorHandle(as_fp8.view(torch.uint8).numpy(), dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

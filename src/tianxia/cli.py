@@ -71,6 +71,7 @@ def _make_llm(args: argparse.Namespace):
         chat_template=args.chat_template,
         quantization=args.quantization,
         kv_cache_dtype=kv_cache_dtype_from_args(args),
+        calculate_kv_scales=args.calculate_kv_scales,
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative_config=speculative_from_args(args),

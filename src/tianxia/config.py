@@ -205,6 +205,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     quantization: str = "auto"  # see QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    # fp8 KV cache: per-layer K/V scales from a calibration prefill at start-up (default: 1.0)
+    calculate_kv_scales: bool = False
     cpu_activations: str = "int8"  # see CPU_ACTIVATIONS
     # CUDA: batch-invariant kernels (layers/batch_invariant.py); CPU results are batch-invariant
     # by default
@@ -223,6 +225,11 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("cpu_activations", self.cpu_activations, CPU_ACTIVATIONS)
+        if self.calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_NAMES:
+            raise ValueError(f"--calculate-kv-scales applies to --kv-cache-dtype fp8; got {self.kv_cache_dtype}")
+        if self.calculate_kv_scales and self.tensor_parallel_size > 1:
+            raise ValueError("--calculate-kv-scales is not supported with --tensor-parallel-size > 1 "
+                             "(each rank's cache would need its own calibration)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1; got {self.tensor_parallel_size}")
         if self.cpu_offload_gb < 0:
@@ -247,7 +254,10 @@ KV_CACHE_DTYPES: dict[str, str] = {
     "auto": "the model dtype", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
     "q8_0": "CPU: llama.cpp's Q8_0 blocks (32 int8 values and a float16 scale, 34 bytes)",
     "q4_0": "CPU: llama.cpp's Q4_0 blocks (32 4-bit values and a float16 scale, 18 bytes)",
+    "fp8": "CUDA, compute capability 8.9+: float8 e4m3 with one K and one V scale per layer (vLLM's fp8)",
+    "fp8_e4m3": "the same as fp8",
 }
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")
 # llama.cpp's names for -ctk / -ctv, where they differ from ours
 _LLAMA_CPP_KV_NAMES = {"f16": "fp16"}
 
@@ -322,7 +332,13 @@ def add_kv_cache_args(parser) -> None:
     """``--kv-cache-dtype`` and llama.cpp's ``-ctk`` / ``-ctv`` (read by :func:`kv_cache_dtype_from_args`)."""
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-        help="KV cache element type (default: auto, the model dtype)",
+        help="KV cache element type (default: auto, the model dtype): "
+             + "; ".join(f"{k}: {v}" for k, v in KV_CACHE_DTYPES.items() if k != "auto"),
+    )
+    parser.add_argument(
+        "--calculate-kv-scales", action="store_true",
+        help="with --kv-cache-dtype fp8: each layer's K and V scales from a calibration prompt's "
+             "absolute maxima at start-up (default: 1.0, as vLLM without calibration)",
     )
     parser.add_argument(
         "--cache-type-k", "-ctk", default=None, metavar="TYPE",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tianxia.config import EngineConfig
+from tianxia.config import FP8_KV_NAMES, EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer
@@ -76,7 +76,13 @@ def rss_bytes() -> int:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
                            device: torch.device | None = None) -> torch.dtype | str:
-    """The cache's torch dtype, or the name of a block format (``"q8_0"``, ``"q4_0"``: CPU only)."""
+    """The cache's torch dtype, or the name of a block format (``"q8_0"``, ``"q4_0"``: CPU only).
+    ``fp8`` needs the Triton attention backend (CUDA; on CPU only the tests' interpreter)."""
+    if kv_cache_dtype in FP8_KV_NAMES:
+        reason = _fp8_kv_unsupported(torch.device(device or "cpu"))
+        if reason is not None:
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: {reason}")
+        return torch.float8_e4m3fn
     if kv_cache_dtype in KV_BLOCK_BYTES:
         if device is not None and device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is a CPU cache format; on a GPU use auto, "
@@ -84,6 +90,17 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
         return kv_cache_dtype
     table = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return model_dtype if kv_cache_dtype == "auto" else table[kv_cache_dtype]
+
+
+def _fp8_kv_unsupported(device: torch.device) -> str | None:
+    if get_backend(device).name not in ("triton", "triton_invariant"):
+        if device.type == "cpu":
+            return "fp8 is a CUDA cache format; on CPU use q8_0 (or q4_0, bf16, f32)"
+        return "the fp8 cache needs the Triton attention backend (Triton is not installed)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"fp8 needs compute capability 8.9 or newer; this GPU has {major}.{minor} (use bf16 or fp16)"
+    return None
 
 
 def kv_type_name(kv_dtype: torch.dtype | str) -> str:
@@ -251,11 +268,19 @@ class LLMEngine:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(eos)
 
+        kv_scales = None
+        if config.calculate_kv_scales:  # before the fp8 cache exists: the probe's float cache is freed first
+            from tianxia.engine.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales
+
+            kv_scales = calibrate_kv_scales(loaded.model, loaded.config, self.tokenizer.encode(CALIBRATION_TEXT),
+                                            self.device, self.dtype, config.cache.block_size)
         cache_config = config.cache
         if self.device.type == "cuda" and cache_config.gpu_memory_utilization is not None:
             cache_config = plan_gpu_memory(loaded.model, loaded.config, config, self.device, self.kv_dtype)
         self.runner = make_runner(loaded.model, loaded.config, cache_config, self.device, self.kv_dtype,
                                   config.seed, runner_class)
+        if kv_scales is not None:
+            self.runner.kv_scales.copy_(kv_scales)
         if tp is not None:
             tp.wait_for_workers(self.runner)
         sched = config.scheduler

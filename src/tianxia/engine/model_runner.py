@@ -24,6 +24,7 @@ import torch
 from tianxia.config import CacheConfig, ModelConfig
 from tianxia.engine.step_io import RequestFailure, RunnerOutput, StepInput, TokenRun, prepare_batch
 from tianxia.layers.attention import AttentionMetadata
+from tianxia.layers.attention.backend import attention_modules
 from tianxia.layers.lora import LoRAState
 from tianxia.layers.sampler import Sampler
 from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
@@ -31,7 +32,7 @@ from tianxia.quant.kv_blocks import kv_row_bytes
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+_DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
 
 NO_ADMISSIBLE_TOKEN = (
     "no token of the vocabulary satisfies this request's constraints "
@@ -69,6 +70,13 @@ class ModelRunner:
         )
         self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if blocks else kv_dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        # an fp8 cache's per-layer K and V scales (vLLM's k_scale / v_scale), 1.0 until calibrated;
+        # the kernels read them from here, so changing them in place keeps captured graphs valid
+        self.kv_scales = None
+        if kv_dtype == torch.float8_e4m3fn:
+            self.kv_scales = torch.ones(model_config.num_hidden_layers, 2, dtype=torch.float32, device=device)
+        for i, module in enumerate(attention_modules(model)):
+            module.kv_scale = None if self.kv_scales is None else self.kv_scales[i]
         self.sampler = Sampler(seed)
         self.graph_runner = None  # CUDA: decode steps through captured graphs (setup_decode)
         self.decode_step = None  # the family's fused decode step (setup_decode), or None

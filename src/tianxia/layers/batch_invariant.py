@@ -158,12 +158,14 @@ class TritonInvariantAttention(TritonAttention):
     visit of key tiles by position per query, no split of the context by the batch."""
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+                sliding_window: int | None = None, softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         prefill_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens_tensor, _step_tensors(meta, q.device), 0,
             meta.num_seqs, max(meta.query_lens), scale, out, sliding_window=sliding_window, softcap=softcap,
+            kv_scale=kv_scale,
         )
         return out
 

@@ -55,6 +55,8 @@ class FalconAttention(nn.Module):
         self.rotary_emb = rotary
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        # an fp8 KV cache's K and V scales [2], set by the model runner that owns the cache
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.query_key_value(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -62,7 +64,7 @@ class FalconAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_scale=self.kv_scale)
         return self.dense(o.reshape(-1, self.q_size))
 
 

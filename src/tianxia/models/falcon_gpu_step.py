@@ -69,7 +69,7 @@ class FalconGpuStep(GpuStep):
                 # the sequential block's norm of (residual + attention); None: a parallel block
                 post_ln=None if parallel else StepNorm.of(layer.post_attention_layernorm),
                 qkv=attn.query_key_value, dense=attn.dense, up=mlp.dense_h_to_4h, down=mlp.dense_4h_to_h,
-                scale=attn.scale,
+                scale=attn.scale, kv_scale=attn.kv_scale,
             ))
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -89,8 +89,9 @@ class FalconGpuStep(GpuStep):
         for L, kv_cache in zip(self.layers, self.kv_caches):
             qkv, res = norm_linear(x, res, L["ln_attn"], L["qkv"], g)
             q = rope_write_kv(qkv, positions, rope.cos_sin, kv_cache, meta.slot_mapping, hq, hk, d,
-                              rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
-            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits)
+                              rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, kv_scale=L["kv_scale"])
+            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
+                                 kv_scale=L["kv_scale"])
             attn_out = linear(L["dense"], o.view(B, hq * d), g)
             if L["post_ln"] is None:
                 # attention and MLP both read the residual stream; their sum is added to it next

@@ -33,10 +33,12 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(hidden, hidden, bias=True)
         self.scale = self.head_dim**-0.5 if config.extra.get("scale_attn_weights", True) else 1.0
         self.backend = backend
+        # an fp8 KV cache's K and V scales [2], set by the model runner that owns the cache
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.c_attn(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, kv_scale=self.kv_scale)
         return self.c_proj(o.reshape(hidden.shape))
 
 

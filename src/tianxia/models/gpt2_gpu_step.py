@@ -49,6 +49,7 @@ class GPT2GpuStep(GpuStep):
         self.act = cfg.hidden_act
         self.layers = [dict(
             ln1=StepNorm.of(b.ln_1), c_attn=b.attn.c_attn, attn_proj=b.attn.c_proj, scale=b.attn.scale,
+            kv_scale=b.attn.kv_scale,
             ln2=StepNorm.of(b.ln_2), c_fc=b.mlp.c_fc, mlp_proj=b.mlp.c_proj,
         ) for b in t.h]
         self.num_heads = cfg.num_attention_heads
@@ -68,8 +69,9 @@ class GPT2GpuStep(GpuStep):
             qkv, res = norm_linear(x, res, L["ln1"], L["c_attn"], g)
             # views of the fused output: the kernels take its row stride, so nothing is copied
             q, k, v = qkv.view(B, 3, h, d).unbind(1)
-            write_kv(k, v, kv_cache, meta.slot_mapping)
-            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits)
+            write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=L["kv_scale"])
+            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
+                                 kv_scale=L["kv_scale"])
             x = linear(L["attn_proj"], o.view(B, h * d), g)
             act, res = norm_linear(x, res, L["ln2"], L["c_fc"], g, out_act=self.act)
             x = linear(L["mlp_proj"], act, g)

@@ -117,6 +117,8 @@ class LlamaAttention(nn.Module):
         self.sliding_window = config.sliding_window if config.is_sliding(layer) else None
         self.softcap = config.attn_logit_softcapping
         self.backend = backend
+        # an fp8 KV cache's K and V scales [2], set by the model runner that owns the cache
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(
         self,
@@ -134,7 +136,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         o = self.backend.forward(
-            q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+            q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+            kv_scale=self.kv_scale,
         )
         return self.o_proj(o.reshape(-1, self.q_size))
 

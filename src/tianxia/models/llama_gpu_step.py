@@ -84,7 +84,7 @@ class LlamaGpuStep(GpuStep):
                 norms={k: StepNorm.of(n) for k, n in norms.items()},
                 qkv=attn.qkv_proj, o=attn.o_proj, gu=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
                 act=_gated(layer.mlp.act), rope=attn.rotary_emb, scale=attn.scale, window=attn.sliding_window,
-                softcap=attn.softcap, sandwich=layer.sandwich,
+                softcap=attn.softcap, sandwich=layer.sandwich, kv_scale=attn.kv_scale,
                 qk_norm=None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps),
             ))
         self.num_heads = cfg.num_attention_heads
@@ -111,9 +111,10 @@ class LlamaGpuStep(GpuStep):
             qn, kn, qk_eps = L["qk_norm"] or (None, None, 1e-6)
             q = rope_write_kv(qkv, positions, rope.cos_sin, kv_cache, meta.slot_mapping, hq, hk, d,
                               rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, q_norm=qn, k_norm=kn,
-                              eps=qk_eps, gemma_norm=self.gemma)
+                              eps=qk_eps, gemma_norm=self.gemma, kv_scale=L["kv_scale"])
             o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
-                                 sliding_window=L["window"], softcap=L["softcap"]).view(B, hq * d)
+                                 sliding_window=L["window"], softcap=L["softcap"],
+                                 kv_scale=L["kv_scale"]).view(B, hq * d)
             x = linear(L["o"], o, g)
             ffn = norms["ln2"]
             if L["sandwich"]:

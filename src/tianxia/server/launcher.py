@@ -382,6 +382,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         enforce_eager=getattr(args, "enforce_eager", False),
         quantization=args.quantization,
         kv_cache_dtype=kv_cache_dtype_from_args(args),
+        calculate_kv_scales=args.calculate_kv_scales,
         cpu_activations=args.cpu_activations,
         batch_invariant=args.batch_invariant,
         speculative=speculative_from_args(args),

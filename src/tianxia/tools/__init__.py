@@ -33,6 +33,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         args.model, args.file, ctx=args.ctx_size, chunks=args.chunks, batch=args.batch_size,
         threads=args.threads, dtype=args.dtype, progress=not args.quiet,
         kv_cache_dtype=kv_cache_dtype_from_args(args), cpu_activations=args.cpu_activations,
+        calculate_kv_scales=args.calculate_kv_scales,
     )
     print(result.summary(), file=sys.stdout)
     return 0

@@ -80,14 +80,16 @@ def perplexity_of_tokens(score, tokens: list[int], ctx: int, bos_id: int | None,
 
 def run_perplexity(model: str, text_file: str | Path, *, ctx: int = 512, chunks: int = -1, batch: int = 2048,
                    threads: int | None = None, dtype: str = "float32", progress: bool = True,
-                   kv_cache_dtype: str = "auto", cpu_activations: str = "int8") -> PerplexityResult:
+                   kv_cache_dtype: str = "auto", cpu_activations: str = "int8",
+                   calculate_kv_scales: bool = False) -> PerplexityResult:
     from tianxia import LLM
 
     t0 = time.perf_counter()
     text = Path(text_file).read_text(encoding="utf-8")
     llm = LLM(model, max_model_len=ctx, max_num_batched_tokens=min(batch, ctx), dtype=dtype,
               threads=threads, enable_prefix_caching=False, num_kv_blocks=ctx // 16 + 2, max_num_seqs=1,
-              kv_cache_dtype=kv_cache_dtype, cpu_activations=cpu_activations)
+              kv_cache_dtype=kv_cache_dtype, cpu_activations=cpu_activations,
+              calculate_kv_scales=calculate_kv_scales)
     tok = llm.get_tokenizer()
     tokens = tok.encode(text, add_special_tokens=True)
     bos = tok.bos_token_id

@@ -50,8 +50,15 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,  # a query at p sees keys p - window < pos <= p
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+        kv_scale: torch.Tensor | None = None,  # [2] float32: an fp8 cache's K and V scales
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that call an attention backend, one per layer, in layer order
+    (the order of the model's KV caches)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "backend", None), AttentionBackend)]
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -76,7 +76,11 @@ def _attend(q, k, v, mask, scale, gqa, softcap=None, is_causal=False):
 @register_backend("torch")
 class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if kv_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the torch "
+                             "backend reads float and Q8_0/Q4_0 caches")
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window = sliding_window

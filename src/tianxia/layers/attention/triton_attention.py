@@ -18,6 +18,13 @@ Three kernels over the cache layout ``[num_blocks, block_size, Hk, D]`` (one per
 
 All three run under ``TRITON_INTERPRET=1`` on CPU tensors (the tests check them there against the
 ``torch`` backend).
+
+An fp8 cache (``--kv-cache-dtype fp8``: float8 e4m3, vLLM's format) has one float32 scale for K
+and one for V per layer, ``kv_scale`` [2] on the device: the write stores ``clamp(x / scale,
+±448)``, the attention kernels read fp8 and apply the scales to the f32 scores and output (an
+fp8 value is exact in bfloat16, so only the products' inputs change). The kernels load the scales
+from memory, so a CUDA graph stays valid when they change. ``FP8`` is a constexpr: for the other
+cache types the scale path is not compiled at all.
 """
 
 from __future__ import annotations
@@ -36,9 +43,20 @@ _LOG2E = 1.4426950408889634
 # --- KV write -------------------------------------------------------------------------------------
 
 
+FP8_KV = torch.float8_e4m3fn
+
+
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
-                     HKD: tl.constexpr, BLOCK: tl.constexpr):
+def fp8_quantize(x, scale):
+    """``x / scale`` in float32, clamped to e4m3's finite range (448: e4m3fn has no infinity, an
+    overflow would store NaN), ready to store as fp8. IEEE division, as torch's ``x / scale``
+    (Triton's ``/`` is an approximate one)."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, kvs_ptr, stride_k, stride_v,
+                     HKD: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -46,6 +64,9 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
         mask = offs < HKD
         k = tl.load(k_ptr + t.to(tl.int64) * stride_k + offs, mask=mask)
         v = tl.load(v_ptr + t.to(tl.int64) * stride_v + offs, mask=mask)
+        if FP8:
+            k = fp8_quantize(k, tl.load(kvs_ptr))
+            v = fp8_quantize(v, tl.load(kvs_ptr + 1))
         tl.store(kc_ptr + slot * HKD + offs, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + slot * HKD + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -57,17 +78,37 @@ def _rows_ok(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write ``k``/``v`` [T, Hk, D] into ``kv_cache`` [2, blocks, bs, Hk, D] at ``slots`` [T]."""
+def fp8_scales(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The scales pointer a kernel gets: ``kv_scale`` for an fp8 cache (required), else
+    ``fallback``, an unread placeholder."""
+    if kv_cache.dtype != FP8_KV:
+        return fallback
+    if kv_scale is None:
+        raise ValueError("an fp8 KV cache (--kv-cache-dtype fp8) needs the layer's kv_scale")
+    return kv_scale
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Write ``k``/``v`` [T, Hk, D] into ``kv_cache`` [2, blocks, bs, Hk, D] at ``slots`` [T];
+    an fp8 cache stores them divided by ``kv_scale`` [2] (K's, V's)."""
     T = k.shape[0]
     if T == 0:
         return
     k, v = _rows_ok(k), _rows_ok(v)
     hkd = k.shape[1] * k.shape[2]
     _write_kv_kernel[(T,)](
-        k, v, kv_cache[0], kv_cache[1], slots, k.stride(0), v.stride(0),
-        HKD=hkd, BLOCK=triton.next_power_of_2(hkd), num_warps=1 if hkd <= 256 else 4,
+        k, v, kv_cache[0], kv_cache[1], slots, fp8_scales(kv_cache, kv_scale, slots), k.stride(0), v.stride(0),
+        HKD=hkd, BLOCK=triton.next_power_of_2(hkd), FP8=kv_cache.dtype == FP8_KV,
+        num_warps=1 if hkd <= 256 else 4,
     )
+
+
+def _dot_f32(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the attention products run in float32: a float32 cache, or an fp8 cache under a
+    float32 model (fp8 K/V are widened to q's dtype), and always in the interpreter."""
+    dot_dtype = q.dtype if kv_cache.dtype == FP8_KV else kv_cache.dtype
+    return dot_dtype == torch.float32 or interpreting()
 
 
 # --- decode -----------------------------------------------------------------------------------------
@@ -78,12 +119,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 # otherwise meet new patterns minutes after start-up and stall a step for the compile.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, ml_ptr, acc_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, ml_ptr, acc_ptr, kvs_ptr,
     scale, softcap, window, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     HQ: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -103,7 +145,10 @@ def _decode_kernel(
     heads = hk * G + g
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    q = q.to(kc_ptr.dtype.element_ty)
+    if FP8:
+        scale = scale * tl.load(kvs_ptr)  # K's scale, on the scores
+    else:
+        q = q.to(kc_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -119,6 +164,9 @@ def _decode_kernel(
         kvmask = tmask[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=kvmask, other=0.0)
+        if FP8:  # exact: every e4m3 value is a bfloat16 / float16 / float32 value
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -137,6 +185,8 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(kvs_ptr + 1)  # V's scale, on the weighted sum
 
     if SPLIT:
         row = (b * HQ + heads) * num_splits + s  # [G_PAD]
@@ -195,6 +245,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2] float32: an fp8 cache's K and V scales
 ) -> torch.Tensor:
     B, HQ, D = q.shape
     _, _, bs, HK, _ = kv_cache.shape
@@ -213,12 +264,12 @@ def decode_attention(
         ml = acc = out  # unused
     d_pad = max(16, triton.next_power_of_2(D))
     _decode_kernel[(B, HK, num_splits)](
-        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, ml, acc,
+        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, out, ml, acc, fp8_scales(kv_cache, kv_scale, seq_lens),
         float(scale), float(softcap or 1.0), int(sliding_window or 0), num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HQ=HQ, HK=HK, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=d_pad, BS=bs,
         BLOCK_N=_DECODE_BLOCK_N, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=kv_cache.dtype == torch.float32 or interpreting(),
+        HAS_SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=_dot_f32(q, kv_cache), FP8=kv_cache.dtype == FP8_KV,
         num_warps=4, num_stages=2,
     )
     if split:
@@ -234,12 +285,12 @@ def decode_attention(
 
 @triton.jit(do_not_specialize=["window", "seq_offset", "stride_bt"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr, kvs_ptr,
     scale, softcap, window, seq_offset,
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
     HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
     i = tl.program_id(0) + seq_offset
     h = tl.program_id(1)
@@ -258,7 +309,10 @@ def _prefill_kernel(
         rows = (q_start + m).to(tl.int64)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=mmask[:, None] & dmask[None, :], other=0.0)
-        q = q.to(kc_ptr.dtype.element_ty)
+        if FP8:
+            scale = scale * tl.load(kvs_ptr)  # K's scale, on the scores
+        else:
+            q = q.to(kc_ptr.dtype.element_ty)
 
         hi = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
         lo = hi * 0
@@ -279,6 +333,9 @@ def _prefill_kernel(
             kvmask = kmask[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0)
             v = tl.load(vc_ptr + kv_off, mask=kvmask, other=0.0)
+            if FP8:  # exact: every e4m3 value is a bfloat16 / float16 / float32 value
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if DOT_F32:
                 qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -301,6 +358,8 @@ def _prefill_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if FP8:
+            acc = acc * tl.load(kvs_ptr + 1)  # V's scale, on the weighted sum
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
@@ -319,6 +378,7 @@ def prefill_attention(
     out: torch.Tensor,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2] float32: an fp8 cache's K and V scales
 ) -> torch.Tensor:
     """Attention for sequences ``first_seq .. first_seq + num_seqs - 1`` (their K/V already in
     the cache); writes their rows of ``out``."""
@@ -333,11 +393,12 @@ def prefill_attention(
     grid = (num_seqs, HQ, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc, out,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), first_seq,
+        fp8_scales(kv_cache, kv_scale, seq_lens), float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        first_seq,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         HK=HK, G=HQ // HK, D=D, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_F32=kv_cache.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=2,
+        DOT_F32=_dot_f32(q, kv_cache), FP8=kv_cache.dtype == FP8_KV, num_warps=4, num_stages=2,
     )
     return out
 
@@ -350,8 +411,9 @@ class TritonAttention(AttentionBackend):
     """The CUDA backend: Triton KV write, split-K paged decode, paged flash prefill."""
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+                sliding_window: int | None = None, softcap: float | None = None,
+                kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -363,13 +425,14 @@ class TritonAttention(AttentionBackend):
                 splits = decode_num_splits(nd, k.shape[1], max_ctx)
             decode_attention(
                 q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, splits,
-                out=out[:nd], sliding_window=sliding_window, softcap=softcap,
+                out=out[:nd], sliding_window=sliding_window, softcap=softcap, kv_scale=kv_scale,
             )
         if meta.num_seqs > nd:
             prefill_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens_tensor, _step_tensors(meta, q.device), nd,
                 meta.num_seqs - nd,
                 aux_max_query_len(meta), scale, out, sliding_window=sliding_window, softcap=softcap,
+                kv_scale=kv_scale,
             )
         return out
 

@@ -5,6 +5,7 @@ RoPE of q and k (rotate-half or interleaved pairs, over the leading ``rotary_dim
 a head), k and v written straight into the paged cache (slots below zero skipped), q returned.
 Each element is rounded as the eager modules round it (the norm's output and the rotation's
 output in the model dtype, k then in the cache's), so greedy decoding follows the eager path.
+An fp8 cache stores k and v divided by the layer's scales, as ``write_kv`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tianxia.layers.attention.triton_attention import FP8_KV, fp8_quantize, fp8_scales
 from tianxia.layers.triton_pointwise import normed
 
 
@@ -48,10 +50,10 @@ def _heads(row, h, d, m, pos, cs_ptr, nw_ptr, eps, D: tl.constexpr, ROT: tl.cons
 
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_out_ptr, qn_ptr, kn_ptr,
-                          eps, HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
+                          kvs_ptr, eps, HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
                           HK_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                           ROT: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                          GEMMA: tl.constexpr):
+                          GEMMA: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, D_PAD)
@@ -72,8 +74,12 @@ def _rope_write_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, q_
         cdt = kc_ptr.dtype.element_ty
         # k rounds to the model dtype first, as the eager rotary returns it, then to the cache's
         offs = slot * HK * D + hk[:, None] * D + d[None, :]
-        tl.store(kc_ptr + offs, k.to(kdt).to(cdt), mask=km)
+        k = k.to(kdt)
         v = tl.load(row + (HQ + HK) * D + hk[:, None] * D + d[None, :], mask=km, other=0.0)
+        if FP8:
+            k = fp8_quantize(k, tl.load(kvs_ptr))
+            v = fp8_quantize(v, tl.load(kvs_ptr + 1))
+        tl.store(kc_ptr + offs, k.to(cdt), mask=km)
         tl.store(vc_ptr + offs, v.to(cdt), mask=km)
 
 
@@ -81,12 +87,14 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
                   slots: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, *,
                   rotary_dim: int | None = None, interleaved: bool = False,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  eps: float = 1e-6, gemma_norm: bool = False) -> torch.Tensor:
+                  eps: float = 1e-6, gemma_norm: bool = False,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``qkv`` [T, (Hq + 2 Hk) D] -> rotated q [T, Hq, D]; rotated k and v go to the cache.
 
     ``cos_sin`` is the rotary table ``[max_pos, rotary_dim]`` (cos in the first half, sin in the
     second), float32, covering every position passed. ``q_norm`` / ``k_norm``: the weights of a
-    per-head RMSNorm applied before RoPE (both or neither).
+    per-head RMSNorm applied before RoPE (both or neither). ``kv_scale`` [2]: an fp8 cache's
+    K and V scales.
     """
     T = qkv.shape[0]
     rot = rotary_dim or head_dim
@@ -94,10 +102,12 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     norm = q_norm is not None
     _rope_write_kv_kernel[(T,)](
         qkv.contiguous(), positions, cos_sin, kv_cache[0], kv_cache[1], slots, q_out,
-        q_norm if norm else cos_sin, k_norm if norm else cos_sin, float(eps),
+        q_norm if norm else cos_sin, k_norm if norm else cos_sin, fp8_scales(kv_cache, kv_scale, cos_sin),
+        float(eps),
         HQ=num_heads, HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
         HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        ROT=rot, INTERLEAVED=interleaved, NORM=norm, GEMMA=gemma_norm, num_warps=4,
+        ROT=rot, INTERLEAVED=interleaved, NORM=norm, GEMMA=gemma_norm, FP8=kv_cache.dtype == FP8_KV,
+        num_warps=4,
     )
     return q_out
 
