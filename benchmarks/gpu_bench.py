@@ -131,7 +131,7 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
                  enforce_eager: bool = False, release_hf: bool = False,
                  quantization: str | None = None, batch_invariant: bool = False,
                  enable_prefix_caching: bool = True, speculative: dict | None = None,
-                 drafts: dict | None = None, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):
+                 drafts: dict | None = None, kv_cache_dtype: str = "auto", calculate_kv_scales: bool | None = None):
     """An LLMEngine over a copy of ``hf``'s weights (the loader is patched out). With
     ``release_hf`` the transformers model's tensors are freed once copied, before the engine
     plans its GPU memory. ``speculative``: a speculative config, whose draft ``model`` names one

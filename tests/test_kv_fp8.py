@@ -212,9 +212,20 @@ def test_fp8_halves_the_bytes_per_token_and_doubles_the_blocks():
 
 
 def test_scales_from_amax_floor():
-    got = scales_from_amax(torch.tensor([[896.0, 0.0], [1.0, 0.25]]))
-    floor = torch.tensor(1 / 448, dtype=torch.float32).item()
-    assert got.tolist() == [[2.0, floor], [floor, floor]]
+    """K's maximum lands at 200 and V's at 100 (vLLM's constants: headroom up to 448), with
+    maxima below 1 taken as 1."""
+    got = scales_from_amax(torch.tensor([[800.0, 0.0], [1.0, 0.25], [0.5, 300.0]]))
+    f = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    assert got.tolist() == [[4.0, f(1 / 100)], [f(1 / 200), f(1 / 100)], [f(1 / 200), 3.0]]
+
+
+def test_fp8_calibrates_by_default_on_one_rank():
+    assert EngineConfig(model="x", kv_cache_dtype="fp8").kv_scales_calibrated
+    assert not EngineConfig(model="x", kv_cache_dtype="fp8", calculate_kv_scales=False).kv_scales_calibrated
+    assert not EngineConfig(model="x", kv_cache_dtype="fp8", tensor_parallel_size=2).kv_scales_calibrated
+    assert not EngineConfig(model="x", kv_cache_dtype="bf16").kv_scales_calibrated
+    with pytest.raises(ValueError, match="--calculate-kv-scales is not supported with --tensor-parallel-size"):
+        EngineConfig(model="x", kv_cache_dtype="fp8", tensor_parallel_size=2, calculate_kv_scales=True)
 
 
 # --- the engine --------------------------------------------------------------------------------------
@@ -237,8 +248,9 @@ def test_cli_options():
     p = argparse.ArgumentParser()
     add_kv_cache_args(p)
     args = p.parse_args(["--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"])
-    assert kv_cache_dtype_from_args(args) == "fp8_e4m3" and args.calculate_kv_scales
-    assert not p.parse_args([]).calculate_kv_scales
+    assert kv_cache_dtype_from_args(args) == "fp8_e4m3" and args.calculate_kv_scales is True
+    assert p.parse_args(["--no-calculate-kv-scales"]).calculate_kv_scales is False
+    assert p.parse_args([]).calculate_kv_scales is None  # the engine decides: on for fp8
 
 
 @pytest.fixture(scope="module")
@@ -275,14 +287,14 @@ def _generate(path, monkeypatch, **kw):
 def test_engine_greedy_with_fp8_kv_follows_float32_kv(tiny_llama, monkeypatch):
     """A tiny random Llama through the Triton backend: fp8 KV (scales 1.0, then calibrated) gives
     the float32 KV's greedy tokens, logprobs within fp8's error; the calibrated scales are the
-    calibration prefill's maxima over 448."""
+    calibration prefill's maxima over 200 (K) and 100 (V)."""
     _, ref = _generate(tiny_llama, monkeypatch, kv_cache_dtype="f32")
-    for calibrate in (False, True):
+    for calibrate in (False, None):  # scales of 1.0, then the default: calibrated
         llm, got = _generate(tiny_llama, monkeypatch, kv_cache_dtype="fp8", calculate_kv_scales=calibrate)
         runner = llm.engine.runner
         assert runner.kv_cache.dtype == FP8 and llm.engine.stats()["kv_cache_bytes_per_token"] == \
             kv_bytes_per_token(llm.engine.model_config, FP8)
-        assert (runner.kv_scales == 1.0).all() != calibrate
+        assert (runner.kv_scales == 1.0).all() == (calibrate is False)
         for a, b in zip(ref, got):
             # the random model's distributions are nearly flat: greedy may flip at a near-tie
             assert_greedy_match(a.token_ids, b.token_ids, lambda i: _top_logprobs(a, i), near_tie=FP8_LOGPROB_ERROR)
@@ -291,7 +303,7 @@ def test_engine_greedy_with_fp8_kv_follows_float32_kv(tiny_llama, monkeypatch):
                 for t in step_a.keys() & step_b.keys():  # a top-3 at a near-tie may differ
                     assert abs(step_a[t].logprob - step_b[t].logprob) < FP8_LOGPROB_ERROR
     # the engine's scales are the calibration's; this random model's K and V stay below 1 (about
-    # 0.5), so every scale is the floor's 1 / 448
+    # 0.5), so every scale is the floor's
     from tianxia.engine.kv_scales import CALIBRATION_TEXT
 
     engine = llm.engine

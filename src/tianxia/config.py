@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -205,8 +207,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     quantization: str = "auto"  # see QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
-    # fp8 KV cache: per-layer K/V scales from a calibration prefill at start-up (default: 1.0)
-    calculate_kv_scales: bool = False
+    # fp8 KV cache: per-layer K/V scales from a calibration prefill at start-up (None: on for an
+    # fp8 cache on one rank; False: scales of 1.0)
+    calculate_kv_scales: bool | None = None
     cpu_activations: str = "int8"  # see CPU_ACTIVATIONS
     # CUDA: batch-invariant kernels (layers/batch_invariant.py); CPU results are batch-invariant
     # by default
@@ -221,13 +224,21 @@ class EngineConfig:
     # CUDA: GiB of decoder-layer weights kept in host memory and streamed to the GPU per forward
     cpu_offload_gb: float = 0.0
 
+    @property
+    def kv_scales_calibrated(self) -> bool:
+        """Whether the fp8 cache's scales come from a calibration prefill: by default on one rank
+        (a rank's cache would need its own calibration under tensor parallelism)."""
+        if self.kv_cache_dtype not in FP8_KV_NAMES:
+            return False
+        return self.tensor_parallel_size == 1 if self.calculate_kv_scales is None else self.calculate_kv_scales
+
     def __post_init__(self) -> None:
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_choice("cpu_activations", self.cpu_activations, CPU_ACTIVATIONS)
         if self.calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_NAMES:
             raise ValueError(f"--calculate-kv-scales applies to --kv-cache-dtype fp8; got {self.kv_cache_dtype}")
-        if self.calculate_kv_scales and self.tensor_parallel_size > 1:
+        if self.calculate_kv_scales is True and self.tensor_parallel_size > 1:
             raise ValueError("--calculate-kv-scales is not supported with --tensor-parallel-size > 1 "
                              "(each rank's cache would need its own calibration)")
         if self.tensor_parallel_size < 1:
@@ -336,9 +347,9 @@ def add_kv_cache_args(parser) -> None:
              + "; ".join(f"{k}: {v}" for k, v in KV_CACHE_DTYPES.items() if k != "auto"),
     )
     parser.add_argument(
-        "--calculate-kv-scales", action="store_true",
+        "--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None,
         help="with --kv-cache-dtype fp8: each layer's K and V scales from a calibration prompt's "
-             "absolute maxima at start-up (default: 1.0, as vLLM without calibration)",
+             "absolute maxima at start-up (the default on one rank; --no-calculate-kv-scales: 1.0)",
     )
     parser.add_argument(
         "--cache-type-k", "-ctk", default=None, metavar="TYPE",

@@ -46,7 +46,7 @@ class LLM:
         chat_template: str | None = None,
         quantization: str = "auto",
         kv_cache_dtype: str = "auto",
-        calculate_kv_scales: bool = False,
+        calculate_kv_scales: bool | None = None,
         cpu_activations: str = "int8",
         batch_invariant: bool = False,
         speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None,

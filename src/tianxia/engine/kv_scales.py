@@ -2,14 +2,16 @@
 
 One prefill of a fixed text runs through the model with a float cache in the model dtype; each
 layer's K and V absolute maxima, read back from that cache (the values the fp8 cache would
-store: after the q/k norms and RoPE), give ``scale = max(amax, 1) / 448``, which puts the
-calibration's largest value at e4m3's largest, 448.
+store: after the q/k norms and RoPE), give ``scale = max(amax, 1) / target``: the calibration's
+largest K lands at 200 and its largest V at 100, vLLM's constants, which leave e4m3's range up to
+448 as headroom for tokens larger than any the calibration text produced (clipped, they would
+cost more than rounding does).
 
 The floor: an amax below 1 would make the scale smaller than 1/448, and a layer whose
 calibration K or V is all zeros would get scale 0 (a division by zero in the write). e4m3 has the
 same relative precision (3 mantissa bits) over its whole normal range, so a smaller scale only
 helps values that would otherwise fall below its smallest normal, 2^-6: with the floor those
-are values below 2^-6 / 448, about 3.5e-5, negligible next to any value near 1 in the same layer.
+are values below 2^-6 / 200, about 8e-5, negligible next to any value near 1 in the same layer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from tianxia.engine.step_io import TokenRun, prepare_batch
 
 logger = logging.getLogger(__name__)
 
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# where the calibration's largest K and V land (vLLM's K_SCALE_CONSTANT / V_SCALE_CONSTANT);
+# e4m3's largest value is 448
+TARGETS = (200.0, 100.0)
 AMAX_FLOOR = 1.0
 
 # prose, code and numbers: a mix of the token kinds a served model meets
@@ -43,8 +47,8 @@ CALIBRATION_TEXT = (
 
 
 def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 scales for absolute maxima ``amax`` (any shape)."""
-    return amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    """float32 scales for ``[..., 2]`` (K, V) absolute maxima ``amax``."""
+    return amax.float().clamp(min=AMAX_FLOOR) / torch.tensor(TARGETS, device=amax.device)
 
 
 @torch.inference_mode()

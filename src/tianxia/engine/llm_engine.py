@@ -269,7 +269,7 @@ class LLMEngine:
         self.eos_ids = tuple(eos)
 
         kv_scales = None
-        if config.calculate_kv_scales:  # before the fp8 cache exists: the probe's float cache is freed first
+        if config.kv_scales_calibrated:  # before the fp8 cache exists: the probe's float cache is freed first
             from tianxia.engine.kv_scales import CALIBRATION_TEXT, calibrate_kv_scales
 
             kv_scales = calibrate_kv_scales(loaded.model, loaded.config, self.tokenizer.encode(CALIBRATION_TEXT),

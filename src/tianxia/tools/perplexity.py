@@ -81,7 +81,7 @@ def perplexity_of_tokens(score, tokens: list[int], ctx: int, bos_id: int | None,
 def run_perplexity(model: str, text_file: str | Path, *, ctx: int = 512, chunks: int = -1, batch: int = 2048,
                    threads: int | None = None, dtype: str = "float32", progress: bool = True,
                    kv_cache_dtype: str = "auto", cpu_activations: str = "int8",
-                   calculate_kv_scales: bool = False) -> PerplexityResult:
+                   calculate_kv_scales: bool | None = None) -> PerplexityResult:
     from tianxia import LLM
 
     t0 = time.perf_counter()
