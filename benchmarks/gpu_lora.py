@@ -133,8 +133,10 @@ def main() -> int:
     lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.num_seqs)]
     prompts = [[rng.randrange(1, 150000) for _ in range(i)] for i, _ in lens]
     outs = [o for _, o in lens]
+    # no prefix cache: each case computes every prompt (the warm-up's prompts would be cached for
+    # the base or the adapters they ran with, and the cases would differ in prefill work)
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=args.num_seqs, max_model_len=2048,
-                  max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+                  max_num_batched_tokens=8192, gpu_memory_utilization=0.85, enable_prefix_caching=False)
     res: dict = {}
     llm = LLM(str(d), **common)
     run(llm, prompts, [8] * len(prompts), [None])  # warm-up: every prompt shape

@@ -93,26 +93,31 @@ class ModelRunner:
         T, S = len(step.input_ids), step.num_seqs
         max_blocks = max(len(t) for t in step.block_tables)
         # one host tensor (ids, positions, slots, lengths, zero-padded block tables) and one copy
-        # to the device, instead of a tensor and a transfer each
-        flat = step.input_ids + step.positions + step.slot_mapping + step.seq_lens
+        # to the device, instead of a tensor and a transfer each. Each part starts at an even
+        # element (16 bytes): Triton specializes a kernel on its pointers' 16-byte alignment, so
+        # parts at odd offsets would compile a second variant of every kernel mid-serving
+        t_pad, s_pad = [0] * (T % 2), [0] * (S % 2)
+        flat = (step.input_ids + t_pad + step.positions + t_pad + step.slot_mapping + t_pad
+                + step.seq_lens + s_pad)
         for table in step.block_tables:
             flat += table
             flat += [0] * (max_blocks - len(table))
         buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        T2, S2 = T + len(t_pad), S + len(s_pad)
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
         meta = AttentionMetadata(
-            slot_mapping=buf[2 * T : 3 * T],
-            block_tables=buf[3 * T + S :].view(S, max_blocks),
+            slot_mapping=buf[2 * T2 : 2 * T2 + T],
+            block_tables=buf[3 * T2 + S2 :].view(S, max_blocks),
             seq_lens=step.seq_lens,
             query_lens=step.query_lens,
             query_start_loc=starts,
             num_decodes=step.num_decodes,
-            seq_lens_tensor=buf[3 * T : 3 * T + S],
+            seq_lens_tensor=buf[3 * T2 : 3 * T2 + S],
             block_size=self.block_size,
         )
-        return buf[:T], buf[T : 2 * T], meta
+        return buf[:T], buf[T2 : T2 + T], meta
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
