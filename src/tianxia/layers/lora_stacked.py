@@ -12,7 +12,10 @@ unused ones zero), and a step's delta is
 three products and a mask for every row at once, whatever the mix of adapters: the shapes depend
 on the batch size only, so the decode graphs capture the hooks with the rest of the step and a
 step with adapters replays like one without (base rows have position -1: a zero mask). A put or
-a drop rewrites a position's columns in place, so the graphs stay valid.
+a drop rewrites a position's columns in place, so the graphs stay valid. Steps that run eagerly
+(prompts, mixed steps) know their rows' adapters on the host: there each adapter's run of rows
+multiplies by its own position's columns alone, as :class:`LoRAState` groups them, instead of
+every row by every position.
 
 This is vLLM's approach of fixed GPU LoRA slots with per-token indices (its Punica kernels read
 each row's own slice; these dense products read all ``S * W`` columns, which at ranks of 8-64 and
@@ -45,9 +48,8 @@ class StackedLoRAState(LoRAState):
             self.b[name] = torch.zeros(out, positions * width, dtype=dtype, device=device)
             self.columns[name] = torch.arange(positions * width, device=device) // width
         self.position_of: dict[int, int] = {}  # adapter slot -> stacked position
-        # each row's position: the graphs read these; eager steps read per-step tensors
+        # each row's position, which the graphs read
         self.static_rows = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
-        self._step_rows: dict[int, torch.Tensor] = {}
         self._active = True  # outside a step (graph capture): the hooks record their products
         self.device = device
         super().__init__(model, targets)
@@ -90,30 +92,33 @@ class StackedLoRAState(LoRAState):
         if not self._active:
             self.static_rows.fill_(-1)
             return
-        t = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        self._step_rows = {len(rows): t}
-        if keep is not None:
-            self._step_rows.setdefault(len(keep), t[torch.tensor(keep, device=self.device)])
+        super().begin_step(row_slots, keep)  # the runs an eager step's hooks multiply
         n = min(len(rows), self.static_rows.shape[0])
-        self.static_rows[:n].copy_(t[:n])
+        self.static_rows[:n].copy_(torch.tensor(rows[:n], dtype=torch.int64), non_blocking=True)
         self.static_rows[n:].fill_(-1)
 
     def end_step(self) -> None:
-        self._step_rows = {}
+        super().end_step()
         self._active = True
 
     def _hook(self, name: str):
         a, b, columns = self.a[name], self.b[name], self.columns[name]
+        width = a.shape[0] // self.positions
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             if not self._active:
                 return output
             n = output.shape[0]
-            rows = self._step_rows.get(n)
-            if rows is None:
-                rows = self.static_rows[:n]
-            x = inputs[0]
-            shrunk = (x.to(a.dtype) @ a.T) * (rows[:, None] == columns[None, :])
+            x = inputs[0].to(a.dtype)
+            runs = self._groups.get(n) if self._groups else None
+            if runs is not None:  # an eager step: each run by its own adapter's columns
+                for slot, start, end in runs:
+                    cols = slice(self.position_of[slot] * width, (self.position_of[slot] + 1) * width)
+                    delta = (x[start:end] @ a[cols].T) @ b[:, cols].T
+                    output[start:end] += delta.to(output.dtype)
+                return output
+            # a captured step: every row by every position, masked by the static rows
+            shrunk = (x @ a.T) * (self.static_rows[:n, None] == columns[None, :])
             flat = output.view(-1, output.shape[-1])
             flat.addmm_(shrunk.to(flat.dtype), b.T.to(flat.dtype))
             return output
