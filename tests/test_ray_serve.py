@@ -98,11 +98,15 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(client, ray_app):
 
     model = _model(client)
     replicas, cached = set(), []
-    for i in range(3):  # different prompts go wherever power-of-two sends them
+    # different prompts go wherever power of two choices sends them, a coin toss between two idle
+    # replicas: up to 16 of them, so that both are seen (all on one: a chance of 2^-15)
+    for i in range(16):
         r = httpx.post(ray_app + "/v1/completions", json={
             "model": model, "prompt": f"Story number {i}: once upon a time", "max_tokens": 2,
         }, timeout=120)
         replicas.add(r.headers["x-tianxia-replica"])
+        if len(replicas) == 2:
+            break
     for conv in range(2):
         system = f"Conversation {conv}. " + SYSTEM
         messages = [{"role": "system", "content": system}]
