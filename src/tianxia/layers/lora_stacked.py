@@ -40,9 +40,10 @@ class StackedLoRAState(LoRAState):
         self.positions, self.max_rank = positions, max_rank
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
+        self.width: dict[str, int] = {}  # columns per position
         self.columns: dict[str, torch.Tensor] = {}  # each stacked column's position
         for name, target in targets.items():
-            width = len(target.parts) * max_rank
+            width = self.width[name] = len(target.parts) * max_rank
             out = sum(rows for _, rows in target.parts)
             self.a[name] = torch.zeros(positions * width, target.in_features, dtype=dtype, device=device)
             self.b[name] = torch.zeros(out, positions * width, dtype=dtype, device=device)
@@ -51,7 +52,6 @@ class StackedLoRAState(LoRAState):
         # each row's position, which the graphs read
         self.static_rows = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
         self._active = True  # outside a step (graph capture): the hooks record their products
-        self.device = device
         super().__init__(model, targets)
 
     def put(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -61,13 +61,13 @@ class StackedLoRAState(LoRAState):
             raise LoRAError(f"adapter {adapter.name!r}: all {self.positions} GPU adapter positions are in use "
                             "by running requests; raise --max-loras or --max-cpu-loras")
         for name, parts in adapter.weights.items():
-            width = self.a[name].shape[0] // self.positions
-            if sum(p.a.shape[0] for p in parts) > width:
-                raise LoRAError(f"adapter {adapter.name!r}: {name} needs rank {sum(p.a.shape[0] for p in parts)}, "
-                                f"above the {width} columns --max-lora-rank {self.max_rank} gives it")
+            rank = sum(p.a.shape[0] for p in parts)
+            if rank > self.width[name]:
+                raise LoRAError(f"adapter {adapter.name!r}: {name} needs rank {rank}, "
+                                f"above the {self.width[name]} columns --max-lora-rank {self.max_rank} gives it")
         self._clear(pos)
         for name, parts in adapter.weights.items():
-            col = pos * (self.a[name].shape[0] // self.positions)
+            col = pos * self.width[name]
             for p in parts:
                 r = p.a.shape[0]
                 self.a[name][col : col + r].copy_(p.a)
@@ -82,7 +82,7 @@ class StackedLoRAState(LoRAState):
 
     def _clear(self, pos: int) -> None:
         for name, a in self.a.items():
-            width = a.shape[0] // self.positions
+            width = self.width[name]
             a[pos * width : (pos + 1) * width].zero_()
             self.b[name][:, pos * width : (pos + 1) * width].zero_()
 
@@ -102,8 +102,7 @@ class StackedLoRAState(LoRAState):
         self._active = True
 
     def _hook(self, name: str):
-        a, b, columns = self.a[name], self.b[name], self.columns[name]
-        width = a.shape[0] // self.positions
+        a, b, columns, width = self.a[name], self.b[name], self.columns[name], self.width[name]
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             if not self._active:
@@ -113,7 +112,8 @@ class StackedLoRAState(LoRAState):
             runs = self._groups.get(n) if self._groups else None
             if runs is not None:  # an eager step: each run by its own adapter's columns
                 for slot, start, end in runs:
-                    cols = slice(self.position_of[slot] * width, (self.position_of[slot] + 1) * width)
+                    first = self.position_of[slot] * width
+                    cols = slice(first, first + width)
                     delta = (x[start:end] @ a[cols].T) @ b[:, cols].T
                     output[start:end] += delta.to(output.dtype)
                 return output
