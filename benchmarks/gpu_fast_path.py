@@ -224,7 +224,9 @@ SAMPLING = {
 }
 
 
-def run_workload(engine, prompts, outs, sampling: dict) -> float:
+def run_workload(engine, prompts, outs, sampling: dict, loras: list | tuple = (None,)) -> float:
+    """Seconds to run every prompt to its output length (``ignore_eos``); request ``i`` uses
+    LoRA request ``loras[i % len(loras)]`` (None: the base model)."""
     from tianxia.sampling_params import SamplingParams
 
     for i, (p, m) in enumerate(zip(prompts, outs)):
@@ -232,7 +234,8 @@ def run_workload(engine, prompts, outs, sampling: dict) -> float:
         if kw.pop("seed", False):
             kw["seed"] = i
         engine.add_request(f"w{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, **kw))
+                           SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, **kw),
+                           lora_request=loras[i % len(loras)])
     gb.sync()
     t0 = time.perf_counter()
     done = 0

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import gpu_fast_path as fp  # noqa: E402  (the throughput workload's loop)
 
 
 def make_adapters(model_dir: Path, root: Path, n: int, rank: int) -> list[Path]:
@@ -51,23 +52,8 @@ def make_adapters(model_dir: Path, root: Path, n: int, rank: int) -> list[Path]:
 
 
 def run(llm, prompts, outs, loras) -> float:
-    from tianxia import SamplingParams
-
-    engine = llm.engine
-    for i, (p, m) in enumerate(zip(prompts, outs)):
-        engine.add_request(f"w{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
-                           SamplingParams(max_tokens=m, ignore_eos=True, detokenize=False, temperature=0.0),
-                           lora_request=loras[i % len(loras)])
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    done = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done += len(o.outputs[0].token_ids)
-    torch.cuda.synchronize()
-    assert done == sum(outs)
-    return time.perf_counter() - t0
+    """Seconds for the workload, greedy, request ``i`` on ``loras[i % len(loras)]``."""
+    return fp.run_workload(llm.engine, prompts, outs, {"temperature": 0.0}, loras)
 
 
 def batch1_ms(llm, prompt, lora, n: int = 128) -> float:
