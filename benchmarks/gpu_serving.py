@@ -5,7 +5,8 @@ For each shape: save a random-weight model with Qwen2.5's tokenizer (``--tokeniz
 workload's prompts are random whole words, re-tokenized to exactly 128 tokens), start ``tianxia serve`` on it (CUDA graphs, KV cache
 from ``--gpu-memory-utilization``), run the sweep (Poisson arrivals, ``ignore_eos``, every request
 exactly 64 output tokens), stop the server. Writes ``serve_<shape>.json`` / ``.png`` per shape and
-``gpu_serving.md`` (requests/s, output tokens/s, TTFT / TPOT percentiles per rate).
+``gpu_serving.md`` (requests/s, output tokens/s, TTFT / TPOT percentiles per rate, and the share of
+a core each of the server's processes and the load generator used at each rate).
 
     PYTHONPATH=src python benchmarks/gpu_serving.py --out /tmp/out
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,27 @@ def triton_cache_entries() -> set[str]:
         return set()
     return {f"{d.name}/{f.stem}" for d in cache.iterdir() if d.is_dir()
             for f in d.glob("*.json") if not f.name.startswith("__grp__")}
+
+
+def process_cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of each process started from this one (the server, its engine
+    cores), keyed ``pid command``: sampled around a load point, where each process's time goes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            procs[int(d.name)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / tick, cmd[:80])
+    ours, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, (ppid, _, _) in procs.items() if ppid in ours} - ours
+        ours |= new
+        grew = bool(new)
+    return {f"{pid} {procs[pid][2]}": procs[pid][1] for pid in ours if pid != os.getpid()}
 
 
 def offline_throughput(model_dir: Path, args) -> float:
@@ -97,18 +120,36 @@ def main() -> int:
         res_path = out / f"serve_{shape}.json"
         bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
                  f"http://127.0.0.1:{args.port}", "--model", shape, "--tokenizer", str(d),
-                 "--input-len", "128", "--output-len", "64", "--request-rates", args.rates,
-                 "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress",
-                 "--save-result", str(res_path), "--plot", str(out / f"serve_{shape}.png")]
+                 "--input-len", "128", "--output-len", "64",
+                 "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress"]
         t0 = time.monotonic()
         with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0):
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
-            r = subprocess.run(bench, capture_output=True, text=True)
-            print(r.stdout[-6000:], r.stderr[-3000:], flush=True)
+            points, cpu, rc = [], {}, 0
+            for rate in args.rates.split(","):
+                # one bench per rate, so that each point's CPU use per process is its own
+                part = out / f"serve_{shape}_rate{rate}.json"
+                before, ru = process_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+                t_pt = time.monotonic()
+                r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
+                                   capture_output=True, text=True)
+                wall = time.monotonic() - t_pt
+                after, ru2 = process_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+                rc = rc or r.returncode
+                print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
+                # share of one core each process used during the point (1.0 = a core busy)
+                use = {k: round((after[k] - before.get(k, 0.0)) / wall, 2) for k in after}
+                use["load generator"] = round((ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime) / wall, 2)
+                cpu[rate] = use
+                print(f"  rate {rate}: CPU share per process {use}", flush=True)
+                if part.is_file():
+                    points += json.loads(part.read_text())["points"]
+                    part.unlink()
+            res_path.write_text(json.dumps({"points": points}, indent=1))
             # kernels the server compiled while serving (each a stall of a step): should be none
             compiled = triton_cache_entries() - kernels
-        summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": r.returncode,
+        summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": rc, "cpu_share": cpu,
                           "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
         if args.offline:
             summary[shape]["offline_output_tok_s"] = round(offline_throughput(d, args), 1)

@@ -12,7 +12,7 @@ import torch
 from tianxia.config import FP8_KV_NAMES, EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
-from tianxia.engine.detokenizer import IncrementalDetokenizer
+from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
@@ -261,6 +261,7 @@ class LLMEngine:
             make_batch_invariant(loaded.model)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self._decode = fast_decode(self.tokenizer)
         self.chat_template = config.chat_template or loaded.chat_template
         self.model_path = loaded.path
         eos = list(loaded.config.eos_token_ids)
@@ -455,7 +456,7 @@ class LLMEngine:
         p = seq.params
         return IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, p.stop_strings, p.include_stop_str_in_output,
-            p.skip_special_tokens, enabled=p.detokenize,
+            p.skip_special_tokens, enabled=p.detokenize, decode=self._decode,
         )
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -573,7 +574,7 @@ class LLMEngine:
         """Top logprobs of one position; their tokens' text only where the engine makes text
         (served requests leave it to the API side, see ``output_processor``)."""
         top_ids, top_vals, chosen_lp, rank = lp
-        decode = self.tokenizer.decode if detokenize else (lambda ids: None)
+        decode = (lambda ids: self._decode(ids, False)) if detokenize else (lambda ids: None)
         out = {t: Logprob(v, r + 1, decode([t])) for r, (t, v) in enumerate(zip(top_ids, top_vals))}
         if chosen not in out:
             out[chosen] = Logprob(chosen_lp, rank, decode([chosen]))

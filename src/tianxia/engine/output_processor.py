@@ -23,7 +23,7 @@ from typing import NamedTuple
 from transformers import PreTrainedTokenizerBase
 
 from tianxia.engine import faults
-from tianxia.engine.detokenizer import IncrementalDetokenizer
+from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from tianxia.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from tianxia.sampling_params import SamplingParams
 
@@ -143,6 +143,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer)
         self._requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
@@ -192,7 +193,7 @@ class OutputProcessor:
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop_strings,
                                        p.include_stop_str_in_output, p.skip_special_tokens,
-                                       enabled=p.detokenize)
+                                       enabled=p.detokenize, decode=self._decode)
         return _Choice(detok, logprobs=[] if p.logprobs is not None else None)
 
     @staticmethod
