@@ -42,6 +42,7 @@ if not CUDA:
 from tianxia.layers.attention import AttentionMetadata, get_backend
 from tianxia.layers.attention import triton_attention as ta
 from tianxia.layers import triton_linear as tlin
+from tianxia.layers import triton_lora
 from tianxia.layers import triton_pointwise as tpw
 from tianxia.layers.attention import triton_rope
 from tianxia.layers import triton_sampling
@@ -935,3 +936,39 @@ def test_graphed_sampler_draws_what_the_eager_device_path_draws(extra):
     assert eager[1] == int(logits[1].argmax())
     # a second step of the same kind reuses what the first compiled; the keys move on
     assert graphed(logits.clone().to(DEV), batch).tokens[1] == eager[1]
+
+
+def _lora_case(rows: int, dtype, seed: int = 0):
+    """Stacked LoRA matrices of 4 positions of width 48 (three parts of rank 16), in 300 and out
+    200 (neither a multiple of the blocks), and ``rows`` rows over every position and the base."""
+    g = torch.Generator().manual_seed(seed)
+    S, W, K, N = 4, 48, 300, 200
+    x = torch.randn(rows, K, generator=g)
+    a = torch.randn(S * W, K, generator=g) * 0.1
+    b = torch.randn(N, S * W, generator=g) * 0.1
+    out = torch.randn(rows, N, generator=g)
+    pos = torch.tensor([2] if rows == 1 else [(5 * i + 1) % (S + 1) - 1 for i in range(rows)])
+    return [t.to(dtype).to(DEV) for t in (x, a, b, out)] + [pos.to(DEV), W]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("programs", [512, 1])  # 1: no slices, the kernels' loops run over blocks
+def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, monkeypatch):
+    monkeypatch.setattr(triton_lora, "_TARGET_PROGRAMS", programs)
+    x, a, b, out, pos, W = _lora_case(rows, dtype)
+    mask = pos[:, None] == torch.arange(a.shape[0], device=DEV)[None, :] // W
+    shrunk = (x.float() @ a.float().T) * mask
+    want = out.float() + shrunk @ b.float().T
+    s = triton_lora.lora_shrink(x, a, pos, W)
+    assert s.dtype == torch.float32 and s.shape[1:] == (rows, W) and (programs > 1) == (s.shape[0] > 1)
+    adapted = pos >= 0
+    got_shrunk = s.sum(0)[adapted]
+    want_shrunk = shrunk.view(rows, -1, W).sum(1)[adapted]  # each row's own position's columns
+    torch.testing.assert_close(got_shrunk, want_shrunk, **_tol(dtype))
+    got = out.clone()
+    triton_lora.lora_expand(got, s, b, pos, W)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    assert torch.equal(got[~adapted], out[~adapted])  # base rows untouched
+
