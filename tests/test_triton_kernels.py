@@ -972,3 +972,46 @@ def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, monk
     torch.testing.assert_close(got.float(), want, **_tol(dtype))
     assert torch.equal(got[~adapted], out[~adapted])  # base rows untouched
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stacked_lora_hook_kernels_match_the_masked_product(dtype):
+    """A captured step's hook through the kernels gives the dense masked product's output, over a
+    module of three parts with adapters of rank 16 (all the columns) and 8 (half of them)."""
+    from torch import nn
+
+    from tianxia.layers.lora import LoRAAdapter, LoRAPart, LoRATarget
+    from tianxia.layers.lora_stacked import StackedLoRAState
+
+    g = torch.Generator().manual_seed(4)
+    parts = (("q_proj", 40), ("k_proj", 24), ("v_proj", 24))
+    target = LoRATarget("proj", parts, 30)
+
+    def adapter(name: str, rank: int) -> LoRAAdapter:
+        ps, row = [], 0
+        for _, n in parts:
+            ps.append(LoRAPart(row, torch.randn(rank, 30, generator=g), torch.randn(n, rank, generator=g) * 0.1))
+            row += n
+        return LoRAAdapter(name, name, rank, {"proj": ps})
+
+    adapters = [adapter("r16", 16), adapter("r8", 8)]
+    x = torch.randn(5, 30, generator=g).to(dtype).to(DEV)
+    base = nn.Module()
+    base.proj = nn.Linear(30, 88, dtype=dtype, device=DEV)
+    outs = []
+    for kernels in (False, True):
+        model = nn.Module()
+        model.proj = nn.Linear(30, 88, dtype=dtype, device=DEV)
+        model.proj.load_state_dict(base.proj.state_dict())
+        state = StackedLoRAState(model, {"proj": target}, positions=3, max_rank=16, max_rows=8, dtype=dtype,
+                                 device=DEV)
+        state.kernels = kernels
+        for slot, ad in enumerate(adapters):
+            state.put(slot, ad)
+        state.static_rows[:5] = torch.tensor([state.position_of[s] if s >= 0 else -1 for s in [0, -1, 1, 1, 0]])
+        with torch.inference_mode():
+            outs.append(model.proj(x))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **_tol(dtype))
+    # the adapters move their rows (else equality would prove nothing), the base row not at all
+    plain = base.proj(x).detach()
+    assert all((outs[1][i] - plain[i]).abs().max() > 0.1 for i in (0, 2, 3, 4))
+    assert torch.equal(outs[1][1], plain[1])
