@@ -947,7 +947,9 @@ def _lora_case(rows: int, dtype, seed: int = 0):
     a = torch.randn(S * W, K, generator=g) * 0.1
     b = torch.randn(N, S * W, generator=g) * 0.1
     out = torch.randn(rows, N, generator=g)
-    pos = torch.tensor([2] if rows == 1 else [(5 * i + 1) % (S + 1) - 1 for i in range(rows)])
+    mixed = [(3 * i + 1) % (S + 1) - 1 for i in range(rows)]  # every position and the base
+    # runs of one position (as the runner orders rows by adapter), then rows that change
+    pos = torch.tensor([2] if rows == 1 else sorted(mixed[: rows // 2]) + mixed[rows // 2 :])
     return [t.to(dtype).to(DEV) for t in (x, a, b, out)] + [pos.to(DEV), W]
 
 
@@ -971,6 +973,11 @@ def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, monk
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, **_tol(dtype))
     assert torch.equal(got[~adapted], out[~adapted])  # base rows untouched
+    # a step of base rows alone (the kernels return at once) leaves every row as it was
+    base = torch.full_like(pos, -1)
+    got = out.clone()
+    triton_lora.lora_expand(got, triton_lora.lora_shrink(x, a, base, W), b, base, W)
+    assert torch.equal(got, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,12 +10,15 @@ tensor of each row's position (-1: the base model). For row ``i`` at position ``
   of ``A`` from one program; the slices spread it over the GPU without atomics or a zeroed
   buffer, and stay deterministic);
 - ``lora_expand``: ``out[i] += s[i] @ B[:, p * W : (p + 1) * W].T`` in place, adding the
-  partial sums first.
+  partial sums first. A program takes a few consecutive rows and reads a tile of ``B`` again only
+  where the position changes: with the rows ordered by adapter, a batch on one adapter reads
+  ``B`` once per program's rows instead of once a row.
 
-Base rows exit at once in both kernels (their partial sums are never written nor read), so a
-step without adapters costs two near-empty launches per module. Block shapes and split counts
-depend on the shapes alone, never on the positions, so both launches capture in CUDA graphs;
-they are fixed rather than autotuned because autotuning cannot run inside a capture.
+Base rows exit at once in both kernels (their partial sums are never written nor read; an
+expand program of base rows alone returns at once), so a step without adapters costs two
+near-empty launches per module. Block shapes and split counts depend on the shapes alone, never
+on the positions, so both launches capture in CUDA graphs; they are fixed rather than autotuned
+because autotuning cannot run inside a capture.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import triton.language as tl
 # programs a launch aims for: a few per SM of an H100 / H200 (132 SMs), so a small batch still
 # spreads its reads over the GPU
 _TARGET_PROGRAMS = 512
+# rows an expand program takes, reading each tile of B once for a run of rows of one position
+_EXPAND_ROWS = 8
 # elements of one [BLOCK_W, BLOCK_K] or [BLOCK_N, BLOCK_W] tile: 64 float32 registers a thread
 # at 4 warps
 _TILE = 8192
@@ -57,29 +62,39 @@ def _shrink_kernel(x_ptr, a_ptr, pos_ptr, s_ptr, K, W, ROWS, K_SPLIT, stride_x,
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, pos_ptr, out_ptr, N, W, ROWS, SPLITS, N_SPLIT, stride_b, stride_out,
-                   BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
+                   BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BLOCK_M consecutive rows per program: the runner orders a step's rows by adapter, so they
+    # mostly share a position, and a tile of B is read once for them instead of once a row
+    first = tl.program_id(0) * BLOCK_M
     part = tl.program_id(1)
-    pos = tl.load(pos_ptr + row)
-    if pos < 0:
+    block = first + tl.arange(0, BLOCK_M)
+    if tl.max(tl.load(pos_ptr + block, mask=block < ROWS, other=-1)) < 0:
         return
     w = tl.arange(0, BLOCK_W)
     wmask = w < W
-    s = tl.zeros([BLOCK_W], tl.float32)
-    for k in range(0, SPLITS):
-        s += tl.load(s_ptr + (k * ROWS + row).to(tl.int64) * W + w, mask=wmask, other=0.0)
-    b_cols = b_ptr + pos * W + w
-    out_row = out_ptr + row.to(tl.int64) * stride_out
     nn = tl.arange(0, BLOCK_N)
     for n0 in range(0, N_SPLIT, BLOCK_N):
         ns = part * N_SPLIT + n0 + nn
         nmask = ns < N
-        b = tl.load(b_cols[None, :] + ns.to(tl.int64)[:, None] * stride_b,
-                    mask=nmask[:, None] & wmask[None, :], other=0.0)
-        delta = tl.sum(b.to(tl.float32) * s[None, :], 1)
-        o = tl.load(out_row + ns, mask=nmask, other=0.0)
-        # one rounding of base + delta, as cuBLAS's addmm rounds
-        tl.store(out_row + ns, (o.to(tl.float32) + delta).to(o.dtype), mask=nmask)
+        bmask = nmask[:, None] & wmask[None, :]
+        b = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        last = tl.full([], -1, tl.int64)
+        for r in tl.static_range(BLOCK_M):
+            row = first + r
+            pos = tl.load(pos_ptr + row, mask=row < ROWS, other=-1).to(tl.int64)
+            if pos >= 0:
+                if pos != last:
+                    b = tl.load(b_ptr + pos * W + w[None, :] + ns.to(tl.int64)[:, None] * stride_b, mask=bmask,
+                                other=0.0).to(tl.float32)
+                    last = pos
+                s = tl.zeros([BLOCK_W], tl.float32)
+                for k in range(0, SPLITS):
+                    s += tl.load(s_ptr + (k * ROWS + row).to(tl.int64) * W + w, mask=wmask, other=0.0)
+                delta = tl.sum(b * s[None, :], 1)
+                out_row = out_ptr + row.to(tl.int64) * stride_out
+                o = tl.load(out_row + ns, mask=nmask, other=0.0)
+                # one rounding of base + delta, as cuBLAS's addmm rounds
+                tl.store(out_row + ns, (o.to(tl.float32) + delta).to(o.dtype), mask=nmask)
 
 
 def _block_w(width: int) -> int:
@@ -120,6 +135,8 @@ def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, pos: torch.
     assert out.stride(1) == 1 and pos.shape == (rows,)
     block_w = _block_w(width)
     block_n = max(16, min(256, _TILE // block_w, triton.next_power_of_2(n)))
-    parts, n_split = _split(n, rows, block_n)
-    _expand_kernel[(rows, parts)](s, b, pos, out, n, width, rows, splits, n_split, b.stride(0), out.stride(0),
-                                  BLOCK_W=block_w, BLOCK_N=block_n)
+    block_m = min(_EXPAND_ROWS, triton.next_power_of_2(rows))
+    blocks = triton.cdiv(rows, block_m)
+    parts, n_split = _split(n, blocks, block_n)
+    _expand_kernel[(blocks, parts)](s, b, pos, out, n, width, rows, splits, n_split, b.stride(0), out.stride(0),
+                                    BLOCK_M=block_m, BLOCK_W=block_w, BLOCK_N=block_n)
