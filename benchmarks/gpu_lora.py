@@ -8,7 +8,8 @@ adapters of rank 16 on every projection (q, k, v, o, gate, up, down):
 - ``1 adapter``: every request on one adapter;
 - ``4 adapters``: the requests spread over 4 adapters (the batch mixes them).
 
-Output tokens/s of each, and the ratio to ``base``; batch-1 decode ms/token with an adapter.
+Output tokens/s of each, and the ratio to ``base``; batch-1 decode ms/token of the base engine,
+of the LoRA engine on the base, and with an adapter.
 
     PYTHONPATH=src python benchmarks/gpu_lora.py --out /tmp/out
 """
@@ -145,7 +146,10 @@ def main() -> int:
         res[f"{name} routes"] = dict(runner.route_counts)
         print(f"{name}: {res[name]:.0f} tok/s ({res[name] / res['base']:.3f} of base), routes "
               f"{dict(runner.route_counts)}", flush=True)
+    res["batch1_lora_base_ms"] = batch1_ms(llm, prompts[0][:128], None)
     res["batch1_lora_ms"] = batch1_ms(llm, prompts[0][:128], loras[0])
+    print(f"batch-1 ms/token: base {res['batch1_base_ms']:.3f}, LoRA engine on the base "
+          f"{res['batch1_lora_base_ms']:.3f}, adapter {res['batch1_lora_ms']:.3f}", flush=True)
     short = [p[:32] for p in prompts[:4]]
     res["logprob_error_base"] = logprob_error(llm, d, None, None, short)
     res["logprob_error_adapter"] = logprob_error(llm, d, adapters[0], loras[0], short)
@@ -155,7 +159,8 @@ def main() -> int:
         lines.append(f"| {name} | {res[name]:.0f} | {res[name] / res['base']:.3f} |")
     text = (f"{args.shape}, {args.num_seqs} sequences, rank {args.rank}, decode route with LoRA: {res['route']}\n\n"
             + "\n".join(lines) + f"\n\nbatch-1 ms/token: base {res['batch1_base_ms']:.3f}, "
-            f"adapter {res['batch1_lora_ms']:.3f}\n\nlogprob |ours - transformers(+peft)|, bf16, 4 prompts x 16 "
+            f"LoRA engine on the base {res['batch1_lora_base_ms']:.3f}, adapter {res['batch1_lora_ms']:.3f}\n\n"
+            f"logprob |ours - transformers(+peft)|, bf16, 4 prompts x 16 "
             f"tokens: base max {res['logprob_error_base']['max']:.3f} mean {res['logprob_error_base']['mean']:.4f}; "
             f"adapter max {res['logprob_error_adapter']['max']:.3f} mean {res['logprob_error_adapter']['mean']:.4f}\n")
     (out / "gpu_lora.md").write_text(text)

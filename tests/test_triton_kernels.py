@@ -42,6 +42,7 @@ if not CUDA:
 from tianxia.layers.attention import AttentionMetadata, get_backend
 from tianxia.layers.attention import triton_attention as ta
 from tianxia.layers import triton_linear as tlin
+from tianxia.layers import triton_lora
 from tianxia.layers import triton_pointwise as tpw
 from tianxia.layers.attention import triton_rope
 from tianxia.layers import triton_sampling
@@ -935,3 +936,89 @@ def test_graphed_sampler_draws_what_the_eager_device_path_draws(extra):
     assert eager[1] == int(logits[1].argmax())
     # a second step of the same kind reuses what the first compiled; the keys move on
     assert graphed(logits.clone().to(DEV), batch).tokens[1] == eager[1]
+
+
+def _lora_case(rows: int, dtype, seed: int = 0):
+    """Stacked LoRA matrices of 4 positions of width 48 (three parts of rank 16), in 300 and out
+    200 (neither a multiple of the blocks), and ``rows`` rows over every position and the base."""
+    g = torch.Generator().manual_seed(seed)
+    S, W, K, N = 4, 48, 300, 200
+    x = torch.randn(rows, K, generator=g)
+    a = torch.randn(S * W, K, generator=g) * 0.1
+    b = torch.randn(N, S * W, generator=g) * 0.1
+    out = torch.randn(rows, N, generator=g)
+    mixed = [(3 * i + 1) % (S + 1) - 1 for i in range(rows)]  # every position and the base
+    # runs of one position (as the runner orders rows by adapter), then rows that change
+    pos = torch.tensor([2] if rows == 1 else sorted(mixed[: rows // 2]) + mixed[rows // 2 :])
+    return [t.to(dtype).to(DEV) for t in (x, a, b, out)] + [pos.to(DEV), W]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("programs", [512, 1])  # 1: no slices, the kernels' loops run over blocks
+def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, monkeypatch):
+    monkeypatch.setattr(triton_lora, "_TARGET_PROGRAMS", programs)
+    x, a, b, out, pos, W = _lora_case(rows, dtype)
+    mask = pos[:, None] == torch.arange(a.shape[0], device=DEV)[None, :] // W
+    shrunk = (x.float() @ a.float().T) * mask
+    want = out.float() + shrunk @ b.float().T
+    s = triton_lora.lora_shrink(x, a, pos, W)
+    assert s.dtype == torch.float32 and s.shape[1:] == (rows, W) and (programs > 1) == (s.shape[0] > 1)
+    adapted = pos >= 0
+    got_shrunk = s.sum(0)[adapted]
+    want_shrunk = shrunk.view(rows, -1, W).sum(1)[adapted]  # each row's own position's columns
+    torch.testing.assert_close(got_shrunk, want_shrunk, **_tol(dtype))
+    got = out.clone()
+    triton_lora.lora_expand(got, s, b, pos, W)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    assert torch.equal(got[~adapted], out[~adapted])  # base rows untouched
+    # a step of base rows alone (the kernels return at once) leaves every row as it was
+    base = torch.full_like(pos, -1)
+    got = out.clone()
+    triton_lora.lora_expand(got, triton_lora.lora_shrink(x, a, base, W), b, base, W)
+    assert torch.equal(got, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stacked_lora_hook_kernels_match_the_masked_product(dtype):
+    """A captured step's hook through the kernels gives the dense masked product's output, over a
+    module of three parts with adapters of rank 16 (all the columns) and 8 (half of them)."""
+    from torch import nn
+
+    from tianxia.layers.lora import LoRAAdapter, LoRAPart, LoRATarget
+    from tianxia.layers.lora_stacked import StackedLoRAState
+
+    g = torch.Generator().manual_seed(4)
+    parts = (("q_proj", 40), ("k_proj", 24), ("v_proj", 24))
+    target = LoRATarget("proj", parts, 30)
+
+    def adapter(name: str, rank: int) -> LoRAAdapter:
+        ps, row = [], 0
+        for _, n in parts:
+            ps.append(LoRAPart(row, torch.randn(rank, 30, generator=g), torch.randn(n, rank, generator=g) * 0.1))
+            row += n
+        return LoRAAdapter(name, name, rank, {"proj": ps})
+
+    adapters = [adapter("r16", 16), adapter("r8", 8)]
+    x = torch.randn(5, 30, generator=g).to(dtype).to(DEV)
+    base = nn.Module()
+    base.proj = nn.Linear(30, 88, dtype=dtype, device=DEV)
+    outs = []
+    for kernels in (False, True):
+        model = nn.Module()
+        model.proj = nn.Linear(30, 88, dtype=dtype, device=DEV)
+        model.proj.load_state_dict(base.proj.state_dict())
+        state = StackedLoRAState(model, {"proj": target}, positions=3, max_rank=16, max_rows=8, dtype=dtype,
+                                 device=DEV)
+        state.kernels = kernels
+        for slot, ad in enumerate(adapters):
+            state.put(slot, ad)
+        state.static_rows[:5] = torch.tensor([state.position_of[s] if s >= 0 else -1 for s in [0, -1, 1, 1, 0]])
+        with torch.inference_mode():
+            outs.append(model.proj(x))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), **_tol(dtype))
+    # the adapters move their rows (else equality would prove nothing), the base row not at all
+    plain = base.proj(x).detach()
+    assert all((outs[1][i] - plain[i]).abs().max() > 0.1 for i in (0, 2, 3, 4))
+    assert torch.equal(outs[1][1], plain[1])

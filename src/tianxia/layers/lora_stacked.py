@@ -5,21 +5,23 @@ buffers, and each row's adapter read from a device tensor.
 product per group; the groups change every step, so a captured graph cannot replay them. Here
 each targeted module keeps, for ``S`` adapter positions, ``A`` stacked ``[S * W, in]`` and ``B``
 ``[out, S * W]`` (``W`` columns per position: the module's parts times the largest rank, the
-unused ones zero), and a step's delta is
+unused ones zero), and a step writes each row's position (-1: the base model) into a static
+device tensor. In a captured step the hook adds, for row ``i`` at position ``p``,
 
-    out += ((x @ A.T) * (row_position == column_position)) @ B.T
+    out[i] += (x[i] @ A[p * W : (p + 1) * W].T) @ B[:, p * W : (p + 1) * W].T
 
-three products and a mask for every row at once, whatever the mix of adapters: the shapes depend
-on the batch size only, so the decode graphs capture the hooks with the rest of the step and a
-step with adapters replays like one without (base rows have position -1: a zero mask). A put or
-a drop rewrites a position's columns in place, so the graphs stay valid. Steps that run eagerly
-(prompts, mixed steps) know their rows' adapters on the host: there each adapter's run of rows
-multiplies by its own position's columns alone, as :class:`LoRAState` groups them, instead of
-every row by every position.
+On CUDA that is Punica's BGMV pair (:mod:`tianxia.layers.triton_lora`): a shrink and an expand
+kernel that read the position inside the kernel and only that position's columns, and skip base
+rows at once (a step of base rows replays the hooks as two near-empty launches per module).
+Elsewhere (the CPU tests) the same delta is the dense ``((x @ A.T) * (row_position ==
+column_position)) @ B.T`` over every position. Either way the shapes depend on the batch size
+only, so the decode graphs capture the hooks with the rest of the step and a step with adapters
+replays like one without. A put or a drop rewrites a position's columns in place, so the graphs
+stay valid. Steps that run eagerly (prompts, mixed steps) know their rows' adapters on the host:
+there each adapter's run of rows multiplies by its own position's columns alone, as
+:class:`LoRAState` groups them.
 
-This is vLLM's approach of fixed GPU LoRA slots with per-token indices (its Punica kernels read
-each row's own slice; these dense products read all ``S * W`` columns, which at ranks of 8-64 and
-a few adapters costs little next to the base product).
+This is vLLM's approach of fixed GPU LoRA slots with per-token indices.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class StackedLoRAState(LoRAState):
         # each row's position, which the graphs read
         self.static_rows = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
         self._active = True  # outside a step (graph capture): the hooks record their products
+        # the captured steps' products: the Triton kernels on CUDA, the masked dense product
+        # elsewhere
+        self.kernels = torch.device(device).type == "cuda"
         super().__init__(model, targets)
 
     def put(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -117,9 +122,15 @@ class StackedLoRAState(LoRAState):
                     delta = (x[start:end] @ a[cols].T) @ b[:, cols].T
                     output[start:end] += delta.to(output.dtype)
                 return output
-            # a captured step: every row by every position, masked by the static rows
-            shrunk = (x @ a.T) * (self.static_rows[:n, None] == columns[None, :])
+            # a captured step: each row's position read from the static rows on the device
+            rows = self.static_rows[:n]
             flat = output.view(-1, output.shape[-1])
+            if self.kernels:
+                from tianxia.layers.triton_lora import lora_expand, lora_shrink
+
+                lora_expand(flat, lora_shrink(x, a, rows, width), b, rows, width)
+                return output
+            shrunk = (x @ a.T) * (rows[:, None] == columns[None, :])
             flat.addmm_(shrunk.to(flat.dtype), b.T.to(flat.dtype))
             return output
 
