@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import threading
 import subprocess
 import sys
 import tempfile
@@ -38,7 +38,7 @@ def triton_cache_entries() -> set[str]:
 
 def process_cpu_seconds() -> dict[str, float]:
     """User + system CPU seconds of each process started from this one (the server, its engine
-    cores), keyed ``pid command``: sampled around a load point, where each process's time goes."""
+    cores, the load generator), keyed ``pid command``."""
     tick = os.sysconf("SC_CLK_TCK")
     procs = {}
     for d in Path("/proc").iterdir():
@@ -48,13 +48,49 @@ def process_cpu_seconds() -> dict[str, float]:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            procs[int(d.name)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / tick, cmd[:80])
+            procs[int(d.name)] = (int(stat[1]), (int(stat[11]) + int(stat[12])) / tick, cmd[:70].strip())
     ours, grew = {os.getpid()}, True
     while grew:
         new = {pid for pid, (ppid, _, _) in procs.items() if ppid in ours} - ours
         ours |= new
         grew = bool(new)
     return {f"{pid} {procs[pid][2]}": procs[pid][1] for pid in ours if pid != os.getpid()}
+
+
+class CpuSampler(threading.Thread):
+    """Samples :func:`process_cpu_seconds` every 0.2 s while a load point runs; :meth:`busiest`
+    gives each process's share of a core over the window of the point's duration where the
+    processes together were busiest (the load itself, not the load generator's start-up)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.samples.append((time.monotonic(), process_cpu_seconds()))
+            self._done.wait(0.2)
+
+    def __enter__(self) -> CpuSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.join()
+
+    def busiest(self, duration: float) -> dict[str, float]:
+        best, share = -1.0, {}
+        for i, (t0, c0) in enumerate(self.samples):
+            j = next((j for j in range(i + 1, len(self.samples)) if self.samples[j][0] - t0 >= duration), None)
+            if j is None:
+                break
+            t1, c1 = self.samples[j]
+            use = {k: (c1[k] - c0[k]) / (t1 - t0) for k in c1 if k in c0}
+            if sum(use.values()) > best:
+                best, share = sum(use.values()), {k: round(v, 2) for k, v in use.items()}
+        return share
 
 
 def offline_throughput(model_dir: Path, args) -> float:
@@ -130,22 +166,18 @@ def main() -> int:
             for rate in args.rates.split(","):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
-                before, ru = process_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
-                t_pt = time.monotonic()
-                r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
-                                   capture_output=True, text=True)
-                wall = time.monotonic() - t_pt
-                after, ru2 = process_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+                with CpuSampler() as sampler:
+                    r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
+                                       capture_output=True, text=True)
                 rc = rc or r.returncode
                 print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
-                # share of one core each process used during the point (1.0 = a core busy)
-                use = {k: round((after[k] - before.get(k, 0.0)) / wall, 2) for k in after}
-                use["load generator"] = round((ru2.ru_utime + ru2.ru_stime - ru.ru_utime - ru.ru_stime) / wall, 2)
-                cpu[rate] = use
-                print(f"  rate {rate}: CPU share per process {use}", flush=True)
                 if part.is_file():
-                    points += json.loads(part.read_text())["points"]
+                    new = json.loads(part.read_text())["points"]
+                    points += new
                     part.unlink()
+                    if new:
+                        cpu[rate] = sampler.busiest(new[0]["summary"]["duration_s"])
+                        print(f"  rate {rate}: share of a core per process {cpu[rate]}", flush=True)
             res_path.write_text(json.dumps({"points": points}, indent=1))
             # kernels the server compiled while serving (each a stall of a step): should be none
             compiled = triton_cache_entries() - kernels
