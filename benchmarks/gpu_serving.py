@@ -134,6 +134,8 @@ def main() -> int:
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the same workload offline (LLM.generate, same engine settings) "
                          "after the server stops: the served/offline ratio at saturation")
+    ap.add_argument("--server-args", default="", help="more `tianxia serve` arguments, e.g. "
+                    "'--max-waiting-steps 0'")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="a Qwen2.5 tokenizer saved with save_pretrained (the random workload needs "
                          "whole-word tokens)")
@@ -152,7 +154,7 @@ def main() -> int:
         serve = [sys.executable, "-m", "tianxia.cli", "serve", str(d), "--host", "127.0.0.1",
                  "--port", str(args.port), "--served-model-name", shape, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-model-len", "2048", "--gpu-memory-utilization", "0.85",
-                 "--disable-log-stats", "--disable-access-log"]
+                 "--disable-log-stats", "--disable-access-log", *args.server_args.split()]
         res_path = out / f"serve_{shape}.json"
         bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
                  f"http://127.0.0.1:{args.port}", "--model", shape, "--tokenizer", str(d),
