@@ -131,7 +131,7 @@ class ModelRunner:
         # a device state's graphs read every step's rows (base rows too: -1)
         on_device = self.lora is not None and self.lora.on_device
         if row_slots or on_device:
-            self.lora.begin_step(row_slots or [-1] * ids.shape[0], keep)
+            self.lora.begin_step(row_slots, keep)
         try:
             # rows with an adapter take the module forward, whose hooks add the adapters'
             # deltas, unless the fused decode step or the decode graphs take them

@@ -53,6 +53,7 @@ class StackedLoRAState(LoRAState):
         self.position_of: dict[int, int] = {}  # adapter slot -> stacked position
         # each row's position, which the graphs read
         self.static_rows = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self._rows_clear = True  # every static row is -1
         self._active = True  # outside a step (graph capture): the hooks record their products
         # the captured steps' products: the Triton kernels on CUDA, the masked dense product
         # elsewhere
@@ -91,16 +92,20 @@ class StackedLoRAState(LoRAState):
             a[pos * width : (pos + 1) * width].zero_()
             self.b[name][:, pos * width : (pos + 1) * width].zero_()
 
-    def begin_step(self, row_slots: list[int], keep: list[int] | None) -> None:
-        rows = [self.position_of.get(s, -1) if s >= 0 else -1 for s in row_slots]
+    def begin_step(self, row_slots: list[int] | None, keep: list[int] | None) -> None:
+        """As :meth:`LoRAState.begin_step`; ``row_slots`` None: every row is on the base model."""
+        rows = [self.position_of.get(s, -1) if s >= 0 else -1 for s in row_slots or ()]
         self._active = any(r >= 0 for r in rows)
         if not self._active:
-            self.static_rows.fill_(-1)
+            if not self._rows_clear:  # base steps in a row write the static rows once
+                self.static_rows.fill_(-1)
+                self._rows_clear = True
             return
         super().begin_step(row_slots, keep)  # the runs an eager step's hooks multiply
         n = min(len(rows), self.static_rows.shape[0])
         self.static_rows[:n].copy_(torch.tensor(rows[:n], dtype=torch.int64), non_blocking=True)
         self.static_rows[n:].fill_(-1)
+        self._rows_clear = False
 
     def end_step(self) -> None:
         super().end_step()
