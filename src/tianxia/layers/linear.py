@@ -50,6 +50,10 @@ class _Packed(nn.Module):
         self.register_buffer("mins", weight.mins)
         # products round activations to 8 bits per 32 values (``--cpu-activations int8``)
         self.int8 = False
+        # the weight's scales laid out per quad of rows (``packed_scale_table``), which products of
+        # a few rows read instead of gathering them per call; set where a decode step's products
+        # are many (the output head under the fused decode step)
+        self.scale_table: torch.Tensor | None = None
 
     @property
     def packed(self) -> PackedWeight:
@@ -70,7 +74,7 @@ class QuantizedLinear(_Packed):
         if x2.dtype != torch.float32:
             x2 = x2.float()
         bias = None if self.bias is None else self.bias.float()
-        y = cpu_kernels.packed_linear(x2, self.packed, bias, self.int8)
+        y = cpu_kernels.packed_linear(x2, self.packed, bias, self.int8, self.scale_table)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
@@ -81,7 +85,8 @@ class QuantizedEmbedding(_Packed):
         return cpu_kernels.packed_rows(ids, self.packed).reshape(*ids.shape, self.in_features)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None, self.int8)
+        return cpu_kernels.packed_linear(x.float().reshape(-1, x.shape[-1]), self.packed, None, self.int8,
+                                         self.scale_table)
 
 
 class SplitQuantizedLinear(nn.Module):

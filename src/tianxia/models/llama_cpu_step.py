@@ -17,7 +17,7 @@ from torch import nn
 
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
+from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear
 from tianxia.layers.lora import LoRAAdapter, LoRAState
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.quant import cpu_kernels
@@ -113,6 +113,11 @@ class LlamaCpuStep:
                 norms.append(_EMPTY if norm is None else norm.weight.data)
             self.decoder.add_layer(linears, formats, norms, cache, self.rotary.index(attn.rotary_emb),
                                    attn.sliding_window or 0)
+        # the output head's products (one per step, the largest weight) read its scales from a
+        # table laid out once, as the decoder's projections do
+        head = model.lm_head if model.lm_head is not None else inner.embed_tokens
+        if isinstance(head, (QuantizedLinear, QuantizedEmbedding)):
+            head.scale_table = cpu_kernels.scale_table(head.packed) if int8 and head.int8 else None
 
     def attach_lora(self, state: LoRAState) -> bool:
         """Take the rows with LoRA adapters too (the decoder adds their deltas after each

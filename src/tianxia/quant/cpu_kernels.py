@@ -104,15 +104,30 @@ def fused_ops(t: torch.Tensor):
     return extension()
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, int8: bool = False,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias`` for a float32 ``[M, K]`` x; ``int8`` rounds every row to 8-bit codes per
     32 values first (llama.cpp's numerics) for integer dot products. Each row's result is the same
-    for any number of rows. The torch fallback stays float."""
+    for any number of rows. ``table``: w's :func:`scale_table`, which products of a few rows read
+    (the same results, without gathering the scales per call). The torch fallback stays float."""
     ext = extension()
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
     mins = w.mins if w.mins is not None else _EMPTY
+    if table is not None:
+        return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8, table)
     return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8)
+
+
+def scale_table(w: PackedWeight) -> torch.Tensor | None:
+    """w's scales and mins laid out per quad of rows for the integer path's products of a few rows
+    (as many bytes as w's scales and mins), or None where the kernels have no such table."""
+    ext = extension()
+    if ext is None or not hasattr(ext, "packed_scale_table"):
+        return None
+    mins = w.mins if w.mins is not None else _EMPTY
+    table = ext.packed_scale_table(w.qs, w.scales, mins, w.bits, w.group)
+    return table if table.numel() > 0 else None
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,9 +35,28 @@ torch::Tensor product(torch::Tensor x, const Packed& w, c10::optional<torch::Ten
 }  // namespace
 
 // y = x @ w.T + bias, x [M, K] float32; int8: x rounded to 8 bits per 32 values (see kernels.cpp)
+// table: the weight's quad_scale_table (empty: none), which single-row products read their factors
+// from instead of gathering them per call (the same results)
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, torch::Tensor mins,
-                            c10::optional<torch::Tensor> bias, int64_t bits, int64_t group, bool int8) {
-  return product(x, unpack(qs, scales, mins, bits, group), bias, int8);
+                            c10::optional<torch::Tensor> bias, int64_t bits, int64_t group, bool int8,
+                            c10::optional<torch::Tensor> table) {
+  Packed w = unpack(qs, scales, mins, bits, group);
+  if (table.has_value() && table->defined() && table->numel() > 0) {
+    TORCH_CHECK(table->scalar_type() == torch::kUInt8 && table->is_contiguous() &&
+                    table->numel() == (int64_t)quad_scale_table_bytes(w), "not this weight's quad_scale_table");
+    w.quad_scales = table->data_ptr<uint8_t>();
+  }
+  return product(x, w, bias, int8);
+}
+
+// the weight's scales and mins laid out per quad of rows (kernels.h), as a uint8 tensor (empty
+// where its products take the float path)
+torch::Tensor packed_scale_table(torch::Tensor qs, torch::Tensor scales, torch::Tensor mins, int64_t bits,
+                                 int64_t group) {
+  const std::vector<uint8_t> t = quad_scale_table(unpack(qs, scales, mins, bits, group));
+  auto out = torch::empty({(int64_t)t.size()}, torch::TensorOptions().dtype(torch::kUInt8));
+  std::memcpy(out.data_ptr<uint8_t>(), t.data(), t.size());
+  return out;
 }
 
 // y = x @ w.T + bias for a float32 weight [N, K], row by row as the float path computes it
@@ -190,7 +209,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: the GIL is released while they run, so the server's event
   // loop (streaming the previous step's tokens) is not held up by a whole engine step.
   const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("packed_linear", &packed_linear, release, "x @ dequant(w).T + bias with block-quantized w");
+  namespace py = pybind11;
+  m.def("packed_linear", &packed_linear, release, "x @ dequant(w).T + bias with block-quantized w", py::arg("x"),
+        py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"), py::arg("group"),
+        py::arg("int8"), py::arg("table") = py::none());
+  m.def("packed_scale_table", &packed_scale_table, release, "a packed weight's scales per quad of rows");
   m.def("dense_linear", &dense_linear, release, "x @ w.T + bias with a float32 w, row-invariant");
   m.def("packed_rows", &packed_rows, release, "rows of a block-quantized matrix, dequantized");
   m.def("rms_norm", &rms_norm, release, "fused residual add + RMSNorm");

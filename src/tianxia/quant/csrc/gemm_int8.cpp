@@ -197,6 +197,40 @@ inline __m256i sum4x4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   return _mm256_add_epi32(_mm256_unpacklo_epi64(e, o), _mm256_unpackhi_epi64(e, o));
 }
 
+// a quad's factors of block b, 16 floats a block as quad_factors() makes them
+struct BlockFactors {
+  const float* f;
+  template <bool MINS>
+  inline void load(int64_t b, __m256& sv, __m256& cv) const {
+    sv = _mm256_loadu_ps(f + b * 16);
+    if constexpr (MINS) cv = _mm256_loadu_ps(f + b * 16 + 8);
+  }
+};
+
+// [v0..v3 | v0..v3] from 4 float32 or float16 values
+inline __m256 load4x2(const float* p) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)); }
+inline __m256 load4x2(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(p))));
+}
+
+// a quad's factors of block b from its quad_scale_table() entry: the 4 rows' scales of the
+// block's group (G16: of its low half's group, then of its high half's), then their mins where
+// the weight has them; min - off * scale by the fma quad_factors() takes, so the same vectors
+template <int BITS, typename S, bool G16, bool HAS_MINS>
+struct TableFactors {
+  const S* t;
+  static constexpr int64_t kPerBlock = (G16 ? 8 : 4) * (HAS_MINS ? 2 : 1);
+  template <bool MINS>
+  inline void load(int64_t b, __m256& sv, __m256& cv) const {
+    const S* p = t + b * kPerBlock;
+    sv = G16 ? load8(p) : load4x2(p);
+    if constexpr (MINS) {
+      const __m256 m = HAS_MINS ? (G16 ? load8(p + 8) : load4x2(p + 4)) : _mm256_setzero_ps();
+      cv = _mm256_fnmadd_ps(_mm256_set1_ps(kCodeOffset<BITS>), sv, m);
+    }
+  }
+};
+
 // acc[q][m]: rows m of the panel against Q quads of weight rows, over all blocks. The four maddubs
 // products are folded (a 4x4 transpose-add in each lane: lane j of h sums p_j's values there)
 // while still 16-bit where that cannot overflow: a pair sum is at most 2 * 127 * code, so four
@@ -208,10 +242,11 @@ inline __m256i sum4x4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
 // goes through it. Q = 2 (one or two activation rows) keeps two independent chains of
 // multiply-adds in flight, where one would wait out their latency at every block; each quad's
 // outputs take the same operations either way.
-// COMPACT: factors of groups of 32 as quad_factor_table() keeps them, 8 floats per block (both
-// halves share their group's), broadcast to both lanes: the same vectors as the 16 made per call.
-template <int BITS, int MR, bool MINS, int Q, typename Codes, bool COMPACT = false>
-inline void quad_rows(const Codes* codes, const float* const* factors, const uint8_t* panel, int64_t nb,
+// Factors: where a quad's factors of block b come from (BlockFactors: made per call or per tile;
+// TableFactors: a quad_scale_table, the rows' scales and mins as stored, with min - off * scale
+// made here by the same fma).
+template <int BITS, int MR, bool MINS, int Q, typename Codes, typename Factors>
+inline void quad_rows(const Codes* codes, const Factors* factors, const uint8_t* panel, int64_t nb,
                       __m256 acc[Q][MR]) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int q = 0; q < Q; ++q)
@@ -222,13 +257,7 @@ inline void quad_rows(const Codes* codes, const float* const* factors, const uin
       __m256i w[4];
       codes[q].load(b, w);
       __m256 sv, cv;
-      if constexpr (COMPACT) {
-        sv = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(factors[q] + b * 8));
-        cv = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(factors[q] + b * 8 + 4));
-      } else {
-        sv = _mm256_loadu_ps(factors[q] + b * 16);
-        cv = _mm256_loadu_ps(factors[q] + b * 16 + 8);
-      }
+      factors[q].template load<MINS>(b, sv, cv);
       if constexpr (BITS == 8) {
         // signed codes: ggml's sign trick (|w| times x with w's sign), once per weight row and
         // activation row; a pair sum reaches 2 * 128 * 127, so each product is widened to 32
@@ -307,37 +336,51 @@ void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t
   for (int64_t q = 0; q < (t.rows + 3) / 4; ++q) {
     __m256 acc[1][MR];
     const WidenedCodes codes{t.codes.data() + q * nb * 128};
-    const float* factors = t.factors.data() + q * nb * 16;
+    const BlockFactors factors{t.factors.data() + q * nb * 16};
     quad_rows<BITS, MR, MINS, 1>(&codes, &factors, panel, nb, acc);
     store_quad<MR>(acc[0], std::min<int64_t>(4, t.rows - 4 * q), m0, n0 + 4 * q, bias, out, N);
   }
 }
 
-// Q quads (rows n..n+rows-1, rows <= 4Q) against every panel, their codes unpacked in registers
+// Q quads (rows n..n+rows-1, rows <= 4Q) against every panel, their codes unpacked in registers;
+// their factors from the weight's quad_scale_table (n a multiple of 4 there; a missing quad past
+// the weight's last rows reads the table's zero padding), else made here
 template <int BITS, int MR, bool MINS, int Q, typename S>
 void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel, int64_t m0, const float* bias,
                   float* out, std::vector<float>& buffer) {
   const int64_t nb = w.K / 32;
-  // with a table (n is a multiple of 4 here), its quads' factors; a missing quad (past the
-  // weight's last rows) reads the table's zero padding
-  const bool table = w.quad_factors != nullptr, compact = w.group == 32;
-  const int64_t per_quad = nb * (compact ? 8 : 16);
-  if (!table) buffer.resize(Q * nb * 16);
   PackedCodes<BITS> codes[Q];
-  const float* factors[Q];
   for (int q = 0; q < Q; ++q) {
-    const int64_t n0 = std::min(n + 4 * q, n + rows - 1), left = std::max<int64_t>(0, std::min<int64_t>(4, rows - 4 * q));
-    if (table) {
-      factors[q] = w.quad_factors + (n / 4 + q) * per_quad;
-    } else {
-      quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
-      factors[q] = buffer.data() + q * nb * 16;
-    }
+    const int64_t n0 = std::min(n + 4 * q, n + rows - 1);
     for (int j = 0; j < 4; ++j) codes[q].row[j] = w.qs + std::min(n0 + j, n + rows - 1) * w.row_bytes();
   }
   __m256 acc[Q][MR];
-  if (table && compact) quad_rows<BITS, MR, MINS, Q, PackedCodes<BITS>, true>(codes, factors, panel, nb, acc);
-  else quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  auto from_table = [&](auto g16, auto has_mins) __attribute__((always_inline)) {
+    using F = TableFactors<BITS, S, decltype(g16)::value, decltype(has_mins)::value>;
+    F factors[Q];
+    for (int q = 0; q < Q; ++q) factors[q].t = static_cast<const S*>(w.quad_scales) + (n / 4 + q) * nb * F::kPerBlock;
+    quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (w.quad_scales) {
+    if (w.group == 16) {
+      if (w.mins) from_table(T{}, T{});
+      else from_table(T{}, F{});
+    } else {
+      if (w.mins) from_table(F{}, T{});
+      else from_table(F{}, F{});
+    }
+  } else {
+    buffer.resize(Q * nb * 16);
+    BlockFactors factors[Q];
+    for (int q = 0; q < Q; ++q) {
+      const int64_t n0 = std::min(n + 4 * q, n + rows - 1), left = std::max<int64_t>(0, std::min<int64_t>(4, rows - 4 * q));
+      quad_factors<BITS, S>(w, n0, left, buffer.data() + q * nb * 16);  // (a missing quad: zero factors)
+      factors[q].f = buffer.data() + q * nb * 16;
+    }
+    quad_rows<BITS, MR, MINS, Q>(codes, factors, panel, nb, acc);
+  }
   for (int q = 0; q < Q && 4 * q < rows; ++q)
     store_quad<MR>(acc[q], std::min<int64_t>(4, rows - 4 * q), m0, n + 4 * q, bias, out, w.N);
 }
@@ -430,39 +473,40 @@ void product_of(const Packed& w, const Activations& a, const float* bias, float*
 }
 
 template <typename S>
-std::vector<float> factor_table_as(const Packed& w) {
-  const int64_t nb = w.K / 32, quads = (w.N + 3) / 4;
-  const bool compact = w.group == 32;
-  const int64_t per_quad = nb * (compact ? 8 : 16);
+std::vector<uint8_t> scale_table_as(const Packed& w) {
+  const int64_t nb = w.K / 32, quads = (w.N + 3) / 4, G = w.group, per_group = G == 16 ? 8 : 4;
+  const int64_t per_block = per_group * (w.mins ? 2 : 1), per_quad = nb * per_block;
   // one quad of padding past the last: a two-quad step at the weight's end reads zeros there
-  std::vector<float> table((quads + 1) * per_quad, 0.f), f(nb * 16);
-  for (int64_t q = 0; q < quads; ++q) {
-    const int64_t left = std::min<int64_t>(4, w.N - 4 * q);
-    switch (w.bits) {
-      case 4: quad_factors<4, S>(w, 4 * q, left, f.data()); break;
-      case 5: quad_factors<5, S>(w, 4 * q, left, f.data()); break;
-      case 6: quad_factors<6, S>(w, 4 * q, left, f.data()); break;
-      default: quad_factors<8, S>(w, 4 * q, left, f.data());
+  std::vector<uint8_t> bytes((quads + 1) * per_quad * sizeof(S), 0);
+  S* table = reinterpret_cast<S*>(bytes.data());
+  for (int64_t q = 0; q < quads; ++q)
+    for (int64_t r = 0; r < 4 && 4 * q + r < w.N; ++r) {
+      const S* sc = w.scales_of<S>(4 * q + r);
+      const S* mn = w.mins_of<S>(4 * q + r);
+      for (int64_t b = 0; b < nb; ++b) {
+        S* dst = table + q * per_quad + b * per_block;
+        for (int64_t half = 0; half < (G == 16 ? 2 : 1); ++half) {
+          const int64_t g = G == 16 ? 2 * b + half : b * 32 / G;
+          dst[4 * half + r] = sc[g];
+          if (mn) dst[per_group + 4 * half + r] = mn[g];
+        }
+      }
     }
-    float* dst = table.data() + q * per_quad;
-    if (!compact) {
-      std::copy(f.begin(), f.end(), dst);
-      continue;
-    }
-    for (int64_t b = 0; b < nb; ++b) {  // the low lane of each 8: both lanes hold the same
-      std::copy(f.data() + b * 16, f.data() + b * 16 + 4, dst + b * 8);
-      std::copy(f.data() + b * 16 + 8, f.data() + b * 16 + 12, dst + b * 8 + 4);
-    }
-  }
-  return table;
+  return bytes;
 }
 
 }  // namespace
 
 #ifndef TIANXIA_VNNI  // (one definition, in the AVX2 build)
-std::vector<float> quad_factor_table(const Packed& w) {
+size_t quad_scale_table_bytes(const Packed& w) {
+  if (!int8_path(w)) return 0;
+  const int64_t per_block = (w.group == 16 ? 8 : 4) * (w.mins ? 2 : 1);
+  return ((w.N + 3) / 4 + 1) * (w.K / 32) * per_block * (w.half ? 2 : 4);
+}
+
+std::vector<uint8_t> quad_scale_table(const Packed& w) {
   if (!int8_path(w)) return {};
-  return w.half ? factor_table_as<uint16_t>(w) : factor_table_as<float>(w);
+  return w.half ? scale_table_as<uint16_t>(w) : scale_table_as<float>(w);
 }
 #endif
 

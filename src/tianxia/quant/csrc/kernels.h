@@ -138,9 +138,9 @@ struct Packed {
   const void* mins = nullptr;    // like scales; nullptr: no offsets
   bool half = false;
   int64_t bits = 0, group = 0, K = 0, N = 0, groups = 0;
-  // The integer path's factors per quad of rows and block (quad_factor_table), made once where a
-  // weight is held for many products (the fused decode step); nullptr: made at each product
-  const float* quad_factors = nullptr;
+  // The scales and mins per quad of rows and block (quad_scale_table), laid out once where a
+  // weight is held for many products (the fused decode step); nullptr: gathered at each product
+  const void* quad_scales = nullptr;
   int64_t row_bytes() const { return bits == 32 ? 4 * K : K * bits / 8; }
   template <typename S>
   const S* scales_of(int64_t n) const { return static_cast<const S*>(scales) + n * groups; }
@@ -192,10 +192,12 @@ void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const f
 // the float path (kernels.cpp) and the integer path (gemm_int8.cpp, `a` prepared), any M
 void float_product(const Packed& w, const float* x, int64_t M, const float* bias, float* out);
 void int8_product(const Packed& w, const Activations& a, const float* bias, float* out);
-// the factors int8_product() makes for each quad of w's rows and block, made once: for groups of
-// 32, 8 floats per quad and block (the 4 rows' scales, then their min - off * scale), else 16
-// (those of each half block); the same values bit for bit. Empty where w takes the float path.
-std::vector<float> quad_factor_table(const Packed& w);
+// w's scales and mins in the order a decode step's products read them: per quad of rows and block,
+// the 4 rows' scales of the block's group (groups of 16: of each half's), then their mins where w
+// has them, as stored (float16 or float32), so no larger than w's own; the products make the
+// same factors from them bit for bit. Bytes; empty where w takes the float path.
+std::vector<uint8_t> quad_scale_table(const Packed& w);
+size_t quad_scale_table_bytes(const Packed& w);
 
 // row n of w dequantized into dst[K] as the float path sees it
 void dequant_row(const Packed& w, int64_t n, float* dst);
