@@ -977,7 +977,7 @@ def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, kern
     if kernels != "default":  # row-wise or grouped whatever the rows; grouped in blocks of 16 or 32
         monkeypatch.setattr(triton_lora, "_GROUP_ROWS", 10**9 if kernels == "rows" else 1)
         monkeypatch.setattr(triton_lora, "_GROUP_M", 16 if kernels == "grouped16" else 32)
-    elif rows < 17:
+    elif rows < triton_lora._GROUP_ROWS:
         pytest.skip("the row-wise kernels' case")
     x, a, b, out, pos, W = _lora_case(rows, dtype)
     mask = pos[:, None] == torch.arange(a.shape[0], device=DEV)[None, :] // W

@@ -45,15 +45,17 @@ _EXPAND_ROWS = 8
 # elements of one [BLOCK_W, BLOCK_K] or [BLOCK_N, BLOCK_W] tile: 64 float32 registers a thread
 # at 4 warps
 _TILE = 8192
-# batches of at least this many rows take the grouped kernels: blocks of rows through tl.dot
-_GROUP_ROWS = 16
+# batches of at least this many rows take the grouped kernels: blocks of rows through tl.dot (on an
+# H200 at Qwen2.5-0.5B's shapes, rank 16: as fast as the row-wise ones at 4 rows, twice as fast from
+# 8 rows to 256; slower at 1 row)
+_GROUP_ROWS = 4
 # rows of a grouped block (at least 16, tl.dot's least size), and the in / out columns of a tile
 _GROUP_M = 32
 _GROUP_K = 128
 _GROUP_N = 64
 # in-columns a grouped shrink slice takes at least: each slice's partial sums are read again by
 # every expand program of their rows, so the grouped shrink splits only long rows
-_GROUP_K_SLICE = 1024
+_GROUP_K_SLICE = 512
 _GROUP_WARPS = 4
 
 
