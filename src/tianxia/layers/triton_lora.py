@@ -19,14 +19,15 @@ consecutive rows and multiplies the whole block by one position's tile with ``tl
 of other positions masked out, then again for each other position the block holds (a segment
 boundary, a stray row; base rows need no pass). With the rows ordered by adapter a block mostly
 holds one position, so ``A`` and ``B`` are read once per block instead of once per row (or per
-few rows). The grouped expand multiplies the summed partial sums rounded to the matrices' dtype
-(as the dense form does), the row-wise one in float32.
+few rows). The grouped expand multiplies the summed partial sums rounded to a 16-bit ``B``'s dtype
+(as the dense form does; float32 in Triton's interpreter), the row-wise one in float32.
 
 Base rows exit at once in both kernels (their partial sums are never written nor read; a
 program whose rows are all base returns at once), so a step without adapters costs two
-near-empty launches per module. Block shapes, split counts and the choice of the row-wise or grouped
-kernels depend on the shapes alone, never on the positions (a block's passes loop on the device), so both launches capture in CUDA graphs; they are fixed rather than autotuned
-because autotuning cannot run inside a capture.
+near-empty launches per module. Block shapes, split counts and the choice of the row-wise or
+grouped kernels depend on the shapes alone, never on the positions (a block's passes loop on the
+device), so both launches capture in CUDA graphs; they are fixed rather than autotuned because
+autotuning cannot run inside a capture.
 """
 
 from __future__ import annotations
