@@ -938,26 +938,47 @@ def test_graphed_sampler_draws_what_the_eager_device_path_draws(extra):
     assert graphed(logits.clone().to(DEV), batch).tokens[1] == eager[1]
 
 
+def _lora_positions(rows: int) -> list[int]:
+    """Rows' positions: from 17 rows, blocks of 16 rows (the grouped kernels' least block) that
+    are a run of one position with a stray other position and a base row inside it, all base
+    rows, a base row then runs of two positions (a segment boundary), and every position and the
+    base mixed; below, the mixed ones."""
+    mixed = [(3 * i + 1) % 5 - 1 for i in range(rows)]  # every position of 4 and the base
+    if rows == 1:
+        return [2]
+    if rows < 17:
+        return mixed
+    run = [2] * 16
+    run[5], run[9] = 3, -1
+    pattern = run + [-1] * 16 + [-1] + [0] * 7 + [1] * 8 + mixed[:16]
+    return (pattern * triton_lora.triton.cdiv(rows, 64))[:rows]
+
+
 def _lora_case(rows: int, dtype, seed: int = 0):
     """Stacked LoRA matrices of 4 positions of width 48 (three parts of rank 16), in 300 and out
-    200 (neither a multiple of the blocks), and ``rows`` rows over every position and the base."""
+    200 (neither a multiple of the blocks), and ``rows`` rows as :func:`_lora_positions`."""
     g = torch.Generator().manual_seed(seed)
     S, W, K, N = 4, 48, 300, 200
     x = torch.randn(rows, K, generator=g)
     a = torch.randn(S * W, K, generator=g) * 0.1
     b = torch.randn(N, S * W, generator=g) * 0.1
     out = torch.randn(rows, N, generator=g)
-    mixed = [(3 * i + 1) % (S + 1) - 1 for i in range(rows)]  # every position and the base
-    # runs of one position (as the runner orders rows by adapter), then rows that change
-    pos = torch.tensor([2] if rows == 1 else sorted(mixed[: rows // 2]) + mixed[rows // 2 :])
+    pos = torch.tensor(_lora_positions(rows))
     return [t.to(dtype).to(DEV) for t in (x, a, b, out)] + [pos.to(DEV), W]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
 @pytest.mark.parametrize("programs", [512, 1])  # 1: no slices, the kernels' loops run over blocks
-def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, monkeypatch):
+@pytest.mark.parametrize("kernels", ["rows", "grouped", "grouped16", "default"])
+def test_lora_shrink_expand_match_the_masked_product(dtype, rows, programs, kernels, monkeypatch):
     monkeypatch.setattr(triton_lora, "_TARGET_PROGRAMS", programs)
+    monkeypatch.setattr(triton_lora, "_GROUP_K_SLICE", 128)  # the grouped shrink slices in 300 too
+    if kernels != "default":  # row-wise or grouped whatever the rows; grouped in blocks of 16 or 32
+        monkeypatch.setattr(triton_lora, "_GROUP_ROWS", 10**9 if kernels == "rows" else 1)
+        monkeypatch.setattr(triton_lora, "_GROUP_M", 16 if kernels == "grouped16" else 32)
+    elif rows < triton_lora._GROUP_ROWS:
+        pytest.skip("the row-wise kernels' case")
     x, a, b, out, pos, W = _lora_case(rows, dtype)
     mask = pos[:, None] == torch.arange(a.shape[0], device=DEV)[None, :] // W
     shrunk = (x.float() @ a.float().T) * mask
