@@ -231,9 +231,9 @@ struct TableFactors {
   }
 };
 
-// Prefetches of what the next step of a single-row product reads: per block, its share of two
+// Prefetches of what a later step of a one- or two-row product reads: per block, its share of two
 // contiguous regions (the next quads' code rows, which follow these in memory, and their
-// quad_scale_table entries), so that the short rows of a one-row product (28 blocks at K = 896)
+// quad_scale_table entries), so that the short rows of such products (28 blocks at K = 896)
 // do not wait on memory at the start of each step. Loads of no register: the results do not change.
 struct Ahead {
   const char* p[2] = {nullptr, nullptr};
@@ -361,7 +361,7 @@ void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t
   }
 }
 
-// how many steps ahead a one-row product fetches (Q5_0 896 x 896, one row, weights streaming:
+// how many steps ahead a one- or two-row product fetches (Q5_0 896 x 896, one row, weights streaming:
 // 1 step 1.53x of none, 2 steps 1.13x of 1, 4 steps the same as 2)
 constexpr int64_t kAheadSteps = 2;
 
@@ -382,9 +382,9 @@ void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel
     using F = TableFactors<BITS, S, decltype(g16)::value, decltype(has_mins)::value>;
     F factors[Q];
     for (int q = 0; q < Q; ++q) factors[q].t = static_cast<const S*>(w.quad_scales) + (n / 4 + q) * nb * F::kPerBlock;
-    if (MR == 1 && n + (kAheadSteps + 1) * 4 * Q <= w.N) {
-      // one row: the code rows and table entries kAheadSteps steps on (4Q rows each), fetched
-      // ahead a block's share at a time
+    if (MR <= 2 && n + (kAheadSteps + 1) * 4 * Q <= w.N) {
+      // one or two rows: the code rows and table entries kAheadSteps steps on (4Q rows each),
+      // fetched ahead a block's share at a time
       Ahead ahead;
       const int64_t rb = w.row_bytes(), skip = kAheadSteps * 4 * Q;
       ahead.p[0] = reinterpret_cast<const char*>(w.qs + (n + skip) * rb);
