@@ -63,10 +63,11 @@ def check_against_peft(llm: LLM, base, adapters: dict[str, Path], prompts: list[
                 break
             assert abs(entry[token].logprob - ref_lps[i][token].item()) < 1e-4, (label, name, i)
         first_step[name, prompt] = ref_lps[0]
-    # the adapters really move the logprobs (else the test would prove nothing)
+    # the adapters really move the logprobs (else the test would prove nothing): by 100x the 1e-4
+    # the logprobs are held to (a random adapter's shift on one prompt can be under 0.05)
     for name, prompt in jobs:
         if name is not None:
-            assert (first_step[name, prompt] - first_step[None, prompt]).abs().max() > 0.05, name
+            assert (first_step[name, prompt] - first_step[None, prompt]).abs().max() > 0.01, name
     return outs
 
 
