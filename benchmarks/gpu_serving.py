@@ -188,16 +188,14 @@ def main() -> int:
         if args.offline:
             summary[shape]["offline_output_tok_s"] = round(offline_throughput(d, args), 1)
             print(f"{shape}: offline {summary[shape]['offline_output_tok_s']} output tok/s", flush=True)
-        if res_path.is_file():
-            points = json.loads(res_path.read_text())["points"]
-            if args.offline and points:
-                best = max(pt["summary"]["output_throughput"] for pt in points)
-                summary[shape]["served_over_offline"] = round(best / summary[shape]["offline_output_tok_s"], 3)
-            for pt in points:
-                s = pt["summary"]
-                md.append(f"| {shape} | {pt['load']} | {s['request_throughput']:.1f} | {s['output_throughput']:.0f} | "
-                          f"{s['ttft_ms']['median']:.1f} / {s['ttft_ms']['p99']:.1f} | "
-                          f"{s['tpot_ms']['median']:.2f} / {s['tpot_ms']['p99']:.2f} | {s['failed']} |")
+        if args.offline and points:
+            best = max(pt["summary"]["output_throughput"] for pt in points)
+            summary[shape]["served_over_offline"] = round(best / summary[shape]["offline_output_tok_s"], 3)
+        for pt in points:
+            s = pt["summary"]
+            md.append(f"| {shape} | {pt['load']} | {s['request_throughput']:.1f} | {s['output_throughput']:.0f} | "
+                      f"{s['ttft_ms']['median']:.1f} / {s['ttft_ms']['p99']:.1f} | "
+                      f"{s['tpot_ms']['median']:.2f} / {s['tpot_ms']['p99']:.2f} | {s['failed']} |")
     text = "\n".join(md) + "\n\n" + json.dumps(summary) + "\n"
     (out / "gpu_serving.md").write_text(text)
     print(text)

@@ -114,16 +114,14 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, i
     if ext is None:
         return F.linear(x, w.dequantize(), bias)
     mins = w.mins if w.mins is not None else _EMPTY
-    if table is not None:
-        return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8, table)
-    return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8)
+    return ext.packed_linear(x, w.qs, w.scales, mins, bias, w.bits, w.group, int8, table)
 
 
 def scale_table(w: PackedWeight) -> torch.Tensor | None:
     """w's scales and mins laid out per quad of rows for the integer path's products of a few rows
     (as many bytes as w's scales and mins), or None where the kernels have no such table."""
     ext = extension()
-    if ext is None or not hasattr(ext, "packed_scale_table"):
+    if ext is None:
         return None
     mins = w.mins if w.mins is not None else _EMPTY
     table = ext.packed_scale_table(w.qs, w.scales, mins, w.bits, w.group)
