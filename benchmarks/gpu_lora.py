@@ -9,7 +9,8 @@ adapters of rank 16 on every projection (q, k, v, o, gate, up, down):
 - ``4 adapters``: the requests spread over 4 adapters (the batch mixes them).
 
 Output tokens/s of each, and the ratio to ``base``; batch-1 decode ms/token of the base engine,
-of the LoRA engine on the base, and with an adapter.
+of the LoRA engine on the base, and with an adapter. Both engines stay loaded and the cases
+alternate for ``--rounds`` rounds (medians).
 
     PYTHONPATH=src python benchmarks/gpu_lora.py --out /tmp/out
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -110,6 +112,7 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,16 +126,16 @@ def main() -> int:
     # no prefix cache: each case computes every prompt (the warm-up's prompts would be cached for
     # the base or the adapters they ran with, and the cases would differ in prefill work)
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=args.num_seqs, max_model_len=2048,
-                  max_num_batched_tokens=8192, gpu_memory_utilization=0.85, enable_prefix_caching=False)
+                  max_num_batched_tokens=8192, enable_prefix_caching=False)
     res: dict = {}
-    llm = LLM(str(d), **common)
-    run(llm, prompts, [8] * len(prompts), [None])  # warm-up: every prompt shape
-    res["base"] = sum(outs) / run(llm, prompts, outs, [None])
-    res["batch1_base_ms"] = batch1_ms(llm, prompts[0][:128], None)
-    print(f"base: {res['base']:.0f} tok/s", flush=True)
-    del llm
-    torch.cuda.empty_cache()
-    llm = LLM(str(d), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
+    # both engines stay loaded and the cases alternate, round by round: a lent machine's host
+    # speed drifts by 10-20% between minutes, which one pass per case would read as a LoRA cost
+    # a share of the GPU counts what is in use already: the second engine asks for the first's too
+    base_llm = LLM(str(d), gpu_memory_utilization=0.3, **common)
+    run(base_llm, prompts, [8] * len(prompts), [None])  # warm-up: every prompt shape
+    res["batch1_base_ms"] = batch1_ms(base_llm, prompts[0][:128], None)
+    llm = LLM(str(d), enable_lora=True, max_loras=4, max_lora_rank=args.rank, gpu_memory_utilization=0.65,
+              **common)
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     for r in loras:
         llm.engine.add_lora(r.lora_name, r.lora_path)
@@ -140,12 +143,18 @@ def main() -> int:
     res["route"] = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
                     else "graph of the module forward" if runner.graph_runner is not None else "eager")
     run(llm, prompts, [8] * len(prompts), loras)
-    for name, chosen in (("base, LoRA on", [None]), ("1 adapter", loras[:1]), ("4 adapters", loras)):
-        runner.route_counts.clear()
-        res[name] = sum(outs) / run(llm, prompts, outs, chosen)
-        res[f"{name} routes"] = dict(runner.route_counts)
-        print(f"{name}: {res[name]:.0f} tok/s ({res[name] / res['base']:.3f} of base), routes "
-              f"{dict(runner.route_counts)}", flush=True)
+    cases = (("base", base_llm, [None]), ("base, LoRA on", llm, [None]), ("1 adapter", llm, loras[:1]),
+             ("4 adapters", llm, loras))
+    rounds: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    for i in range(args.rounds):
+        for name, engine, chosen in cases:
+            engine.engine.runner.route_counts.clear()
+            rounds[name].append(sum(outs) / run(engine, prompts, outs, chosen))
+            res[f"{name} routes"] = dict(engine.engine.runner.route_counts)
+            print(f"round {i}: {name}: {rounds[name][-1]:.0f} tok/s, routes {res[f'{name} routes']}", flush=True)
+    for name in rounds:
+        res[name] = statistics.median(rounds[name])
+        res[f"{name} rounds"] = rounds[name]
     res["batch1_lora_base_ms"] = batch1_ms(llm, prompts[0][:128], None)
     res["batch1_lora_ms"] = batch1_ms(llm, prompts[0][:128], loras[0])
     print(f"batch-1 ms/token: base {res['batch1_base_ms']:.3f}, LoRA engine on the base "
@@ -154,9 +163,10 @@ def main() -> int:
     res["logprob_error_base"] = logprob_error(llm, d, None, None, short)
     res["logprob_error_adapter"] = logprob_error(llm, d, adapters[0], loras[0], short)
     print("logprob error vs transformers+peft:", res["logprob_error_base"], res["logprob_error_adapter"], flush=True)
-    lines = ["| case | output tok/s | vs base |", "|---|---|---|"]
-    for name in ("base", "base, LoRA on", "1 adapter", "4 adapters"):
-        lines.append(f"| {name} | {res[name]:.0f} | {res[name] / res['base']:.3f} |")
+    lines = [f"| case | output tok/s (median of {args.rounds}) | vs base | rounds |", "|---|---|---|---|"]
+    for name in rounds:
+        each = ", ".join(f"{x:.0f}" for x in rounds[name])
+        lines.append(f"| {name} | {res[name]:.0f} | {res[name] / res['base']:.3f} | {each} |")
     text = (f"{args.shape}, {args.num_seqs} sequences, rank {args.rank}, decode route with LoRA: {res['route']}\n\n"
             + "\n".join(lines) + f"\n\nbatch-1 ms/token: base {res['batch1_base_ms']:.3f}, "
             f"LoRA engine on the base {res['batch1_lora_base_ms']:.3f}, adapter {res['batch1_lora_ms']:.3f}\n\n"

@@ -77,6 +77,7 @@ def _make_llm(args: argparse.Namespace):
         speculative_config=speculative_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_offload_gb=args.cpu_offload_gb,
+        n_gpu_layers=args.n_gpu_layers,
         master_addr=args.master_addr,
         master_port=args.master_port,
         enable_lora=bool(_lora_sources(args)),

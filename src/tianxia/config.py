@@ -223,6 +223,9 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
     # CUDA: GiB of decoder-layer weights kept in host memory and streamed to the GPU per forward
     cpu_offload_gb: float = 0.0
+    # CUDA: only the last N decoder layers on the GPU, the others on the CPU (llama.cpp's -ngl);
+    # None (or a negative N): every layer on the GPU
+    n_gpu_layers: int | None = None
 
     @property
     def kv_scales_calibrated(self) -> bool:
@@ -247,6 +250,14 @@ class EngineConfig:
             raise ValueError(f"--cpu-offload-gb must be at least 0; got {self.cpu_offload_gb}")
         if self.cpu_offload_gb and self.tensor_parallel_size > 1:
             raise ValueError("--cpu-offload-gb cannot be combined with --tensor-parallel-size > 1 yet")
+        if self.n_gpu_layers is not None and self.n_gpu_layers >= 0:
+            clash = ("--cpu-offload-gb" if self.cpu_offload_gb else
+                     "--tensor-parallel-size > 1" if self.tensor_parallel_size > 1 else
+                     "--enable-lora" if self.lora is not None else
+                     "--kv-cache-dtype fp8" if self.kv_cache_dtype in FP8_KV_NAMES else
+                     "speculative decoding" if self.speculative is not None else None)
+            if clash:
+                raise ValueError(f"--n-gpu-layers cannot be combined with {clash} yet")
 
 
 # --quantization: what happens to the weights at load. Adding a method is one entry here plus its
@@ -322,11 +333,17 @@ def add_quantization_args(parser) -> None:
 
 
 def add_offload_args(parser) -> None:
-    """``--cpu-offload-gb`` (vLLM's meaning)."""
+    """``--cpu-offload-gb`` (vLLM's meaning) and ``-ngl`` / ``--n-gpu-layers`` (llama.cpp's)."""
     parser.add_argument(
         "--cpu-offload-gb", type=float, default=0.0, metavar="GIB",
         help="CUDA: keep this many GiB of the decoder layers' weights in host memory and copy them to "
              "the GPU each forward (a model larger than the GPU runs, at the cost of the transfer)",
+    )
+    parser.add_argument(
+        "--n-gpu-layers", "--gpu-layers", "-ngl", type=int, default=None, metavar="N",
+        help="CUDA: run only the last N decoder layers on the GPU and the others on the CPU, the "
+             "output layer counting as one more (llama.cpp's meaning; default: all on the GPU). "
+             "Ignored, with a warning, without a GPU",
     )
 
 

@@ -197,8 +197,7 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
         kind = msg[0]
         if kind == "step":
             step = msg[1]
-            for src, dst in step.copies:
-                runner.kv_cache[:, :, dst].copy_(runner.kv_cache[:, :, src])
+            runner.copy_blocks(step.copies)
             batch = runner.tensors(step)
         elif kind == "forward":
             ids, pos, meta = batch

@@ -22,6 +22,7 @@ from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
 from tianxia.layers.linear import use_row_invariant_linears
 from tianxia.loader import load_model
+from tianxia.loader.layer_split import layer_split_of
 from tianxia.outputs import CompletionOutput, Logprob, RequestOutput
 from tianxia.sampling_params import SamplingParams
 
@@ -190,6 +191,14 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     in_use = total - free  # weights, the CUDA context, other processes
     kv = int(frac * total) - in_use - activations - sampler - graphs
     per_block = kv_bytes_per_token(model_config, dtype) * bs
+    split = layer_split_of(model)
+    host_blocks = None
+    if split is not None:  # -ngl: only the GPU layers' caches take GPU memory; the CPU layers'
+        # (float32) take host memory, up to --kv-cache-memory
+        cpu_layers = model_config.num_hidden_layers - split.placement.gpu_layers
+        per_block = per_block * split.placement.gpu_layers // model_config.num_hidden_layers
+        host_per_block = kv_bytes_per_token(_replace(model_config, num_hidden_layers=cpu_layers), torch.float32) * bs
+        host_blocks = config.cache.kv_cache_memory // host_per_block if cpu_layers else None
     need = (max_len + bs - 1) // bs
     numbers = (
         f"{frac} x {total / _GIB:.1f} GiB = {frac * total / _GIB:.2f} GiB; in use {in_use / _GIB:.2f} "
@@ -198,7 +207,11 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     )
     if kv < per_block:
         raise ValueError(f"--gpu-memory-utilization leaves no room for the KV cache: {numbers}")
-    num_blocks = kv // per_block
+    num_blocks = kv // per_block if per_block else host_blocks
+    if host_blocks is not None and host_blocks < num_blocks:
+        logger.info("-ngl: the CPU layers' KV cache (--kv-cache-memory %.2f GiB) holds %d tokens",
+                    config.cache.kv_cache_memory / _GIB, host_blocks * bs)
+        num_blocks = host_blocks
     if num_blocks < need:
         logger.warning("the KV cache holds %d tokens, less than max_model_len %d", num_blocks * bs, max_len)
     logger.info("GPU memory plan: %s; KV cache %.2f GiB = %d tokens", numbers, num_blocks * per_block / _GIB,
@@ -233,6 +246,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if config.cpu_offload_gb and self.device.type != "cuda":
             raise ValueError("--cpu-offload-gb keeps weights in host memory for a GPU; on CPU they are there already")
+        if config.n_gpu_layers is not None and config.n_gpu_layers >= 0 and self.device.type != "cuda":
+            # as llama.cpp: the option means nothing without a GPU, and the model runs as it would
+            logger.warning("--n-gpu-layers %d ignored: no GPU (device %s)", config.n_gpu_layers, self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
@@ -250,7 +266,8 @@ class LLMEngine:
         else:
             loaded = load_model(config.model, dtype=self.dtype, device=self.device,
                                 backend=get_backend(self.device), quantization=config.quantization,
-                                cpu_offload_bytes=int(config.cpu_offload_gb * 2**30))
+                                cpu_offload_bytes=int(config.cpu_offload_gb * 2**30),
+                                n_gpu_layers=config.n_gpu_layers)
         if hasattr(loaded.model, "int8_activations"):
             loaded.model.int8_activations = config.cpu_activations == "int8"
         if self.device.type == "cpu":  # float products that do not depend on the batch

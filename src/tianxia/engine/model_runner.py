@@ -28,6 +28,7 @@ from tianxia.layers.attention.backend import attention_modules
 from tianxia.layers.lora import LoRAState
 from tianxia.layers.sampler import Sampler
 from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
+from tianxia.loader.layer_split import layer_split_of
 from tianxia.quant.kv_blocks import kv_row_bytes
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,17 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * row
 
 
+def _runs(places: list) -> list[tuple[object, int]]:
+    """Consecutive equal items of ``places`` as (item, count)."""
+    runs: list[list] = []
+    for p in places:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return [(p, n) for p, n in runs]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,14 +74,17 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         per_block = kv_bytes_per_token(model_config, kv_dtype) * self.block_size
         self.num_blocks = cache_config.num_blocks or max(1, cache_config.kv_cache_memory // per_block)
-        # a block format (q8_0, q4_0) keeps each head's row as uint8 blocks (quant/kv_blocks.py)
-        blocks = isinstance(kv_dtype, str)
-        shape = (
-            model_config.num_hidden_layers, 2, self.num_blocks, self.block_size, model_config.num_key_value_heads,
-            kv_row_bytes(kv_dtype, model_config.head_dim) if blocks else model_config.head_dim,
-        )
-        self.kv_cache = torch.zeros(shape, dtype=torch.uint8 if blocks else kv_dtype, device=device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        # each layer's cache lives where the layer runs: one part per device (layer_split: -ngl)
+        split = layer_split_of(model)
+        places = split.layer_devices() if split is not None else [(device, kv_dtype)] * model_config.num_hidden_layers
+        self.kv_parts = []
+        for (where, compute_dtype), n in _runs(places):
+            # the CPU layers of a split model keep a float32 cache, as the CPU engine does
+            part_dtype = kv_dtype if where.type == device.type else compute_dtype
+            self.kv_parts.append(self._allocate_kv(model_config, n, part_dtype, where))
+        self.kv_caches = [layer for part in self.kv_parts for layer in part.unbind(0)]
+        # the whole cache as one tensor where it is one (fp8 calibration reads it)
+        self.kv_cache = self.kv_parts[0] if len(self.kv_parts) == 1 else None
         # an fp8 cache's per-layer K and V scales (vLLM's k_scale / v_scale), 1.0 until calibrated;
         # the kernels read them from here, so changing them in place keeps captured graphs valid
         self.kv_scales = None
@@ -84,9 +99,23 @@ class ModelRunner:
         self.lora: LoRAState | None = None  # the adapters' grouped product (--enable-lora)
         self.fused_lora = False  # whether the fused decode step adds the adapters' deltas itself
 
+    def _allocate_kv(self, config: ModelConfig, num_layers: int, kv_dtype: torch.dtype | str,
+                     device: torch.device) -> torch.Tensor:
+        # a block format (q8_0, q4_0) keeps each head's row as uint8 blocks (quant/kv_blocks.py)
+        blocks = isinstance(kv_dtype, str)
+        shape = (num_layers, 2, self.num_blocks, self.block_size, config.num_key_value_heads,
+                 kv_row_bytes(kv_dtype, config.head_dim) if blocks else config.head_dim)
+        return torch.zeros(shape, dtype=torch.uint8 if blocks else kv_dtype, device=device)
+
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(part.numel() * part.element_size() for part in self.kv_parts)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (``(src, dst)`` pairs: copy-on-write of a shared last block)."""
+        for src, dst in copies:
+            for part in self.kv_parts:
+                part[:, :, dst].copy_(part[:, :, src])
 
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's token ids, positions and attention metadata on the device."""
@@ -122,8 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
         """Run one step and sample its sampled rows (``step.sample_rows``)."""
-        for src, dst in step.copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        self.copy_blocks(step.copies)
         ids, pos, meta = self.tensors(step)
         rows = list(step.sample_rows)
         row_slots = self.lora_rows(step)
@@ -249,6 +277,10 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, RotaryEmbedding):
                     module.ensure_positions(max_model_len)
+        split = layer_split_of(self.model)
+        # a split model's steps hold CPU work: neither the fused step (one device's weights) nor a
+        # CUDA graph takes them
+        fused_step = fused_step and split is None
         self.decode_step = self.model.fast_decode_step(self.kv_caches, max_model_len) if fused_step else None
         if self.lora is not None and self.decode_step is not None:
             # a fused step that takes rows with adapters keeps their steps (before any capture:
@@ -267,7 +299,8 @@ class ModelRunner:
         step = self.decode_step
         reason = None if triton_available() else "a missing Triton install"
         if step is None:
-            reason = reason or self.model.cuda_graph_unsafe_reason()
+            reason = reason or ("-ngl: decoder layers run on the CPU" if split is not None else None) \
+                or self.model.cuda_graph_unsafe_reason()
         if reason is not None:
             logger.info("CUDA graphs off: %s", reason)
             return

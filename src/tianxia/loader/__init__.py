@@ -56,6 +56,7 @@ def load_model(
     quantization: str = "auto",
     shard: WeightShard | None = None,
     cpu_offload_bytes: int = 0,
+    n_gpu_layers: int | None = None,
 ) -> LoadedModel:
     """Build the model on the ``meta`` device, then materialize it and copy each weight in once.
 
@@ -70,6 +71,9 @@ def load_model(
 
     ``cpu_offload_bytes``: the first decoder layers' weights, up to that many bytes, stay in host
     memory and are streamed to the device each time the layer runs (:mod:`tianxia.loader.offload`).
+
+    ``n_gpu_layers`` (on CUDA): only the last that many decoder layers run on the GPU, the others
+    on the CPU (llama.cpp's ``-ngl``; :mod:`tianxia.loader.layer_split`); None: all of them.
     """
     from tianxia.loader import safetensors as st
     from tianxia.loader.tokenizer import load_tokenizer
@@ -81,6 +85,7 @@ def load_model(
     config = full_config if shard is None else shard.model_config(full_config)
     model_class = get_model_class(config)
     packed = device.type == "cpu" and quantization != "none" and getattr(model_class, "packed_weights", False)
+    split = _layer_split(model_class, config, n_gpu_layers, device, dtype, quantization, cpu_offload_bytes, shard)
     # on a GPU, int8 / fp8 replace the decoder projections after load (per-channel scales)
     channelwise = device.type == "cuda" and quantization in ("int8", "fp8")
     if quantization == "fp8":
@@ -93,7 +98,10 @@ def load_model(
         where = "on CPU" if device.type != "cpu" else f"for {config.architecture} models"
         raise ValueError(f"--quantization {quantization} is not available {where}; use auto or none")
     if gguf_file is not None:
-        weights = gguf_file.hf_weights(full_config, packed=packed, shard=shard)
+        # split: the CPU modules' block-quantized matrices stay packed for the CPU kernels
+        on_cpu = (split.packed if split is not None and quantization != "none"
+                  and getattr(model_class, "packed_weights", False) else packed)
+        weights = gguf_file.hf_weights(full_config, packed=on_cpu, shard=shard)
     else:
         weights = st.hf_weights(path, shard)
     if quantization not in ("auto", "none") and not channelwise:
@@ -112,9 +120,12 @@ def load_model(
             raise ValueError(f"--cpu-offload-gb: no decoder layers found in {config.architecture}")
         offloaded = offload.layers_to_offload(layers, cpu_offload_bytes, dtype)
         offload.materialize(model, device, dtype, offloaded)
+    elif split is not None:
+        split.materialize(model)
     else:
         model.to_empty(device=device)
-    model.to(dtype)
+    if split is None:
+        model.to(dtype)
     missing = model.load_weights(weights)
     if missing:
         if gguf_file is not None:
@@ -127,6 +138,9 @@ def load_model(
         quantize_model(model, quantization)
     model.init_buffers(device)
     model.eval()
+    if split is not None:
+        split.install(model)
+        logger.info("-ngl %d: %s", n_gpu_layers, split.placement.describe())
     for layer in offloaded:
         offload.stream_to(layer, device)
     if offloaded:
@@ -141,6 +155,26 @@ def load_model(
     logger.info("loaded %s (%s) in %.1fs; weights %s", path, config.architecture,
                 time.perf_counter() - t0, describe_weights(model))
     return LoadedModel(model, config, tokenizer, path, template)
+
+
+def _layer_split(model_class, config: ModelConfig, n_gpu_layers: int | None, device: torch.device,
+                 dtype: torch.dtype, quantization: str, cpu_offload_bytes: int, shard: WeightShard | None):
+    """The split between CPU and GPU that ``n_gpu_layers`` asks for, or None for one device."""
+    if n_gpu_layers is None or n_gpu_layers < 0 or device.type != "cuda":
+        return None
+    from tianxia.loader.layer_split import LayerPlacement, LayerSplit
+
+    placement = LayerPlacement.from_n_gpu_layers(n_gpu_layers, config.num_hidden_layers)
+    if not placement.split:
+        return None
+    plan = getattr(model_class, "layer_split_plan", None)
+    if plan is None:
+        raise ValueError(f"--n-gpu-layers: {config.architecture} models cannot be split between CPU and GPU yet")
+    if shard is not None or cpu_offload_bytes or quantization not in ("auto", "none"):
+        what = ("--tensor-parallel-size" if shard is not None else "--cpu-offload-gb" if cpu_offload_bytes
+                else f"--quantization {quantization}")
+        raise ValueError(f"--n-gpu-layers cannot be combined with {what}")
+    return LayerSplit(plan, placement, device, dtype)
 
 
 def quantize_weights(weights, method: str):

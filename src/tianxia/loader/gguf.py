@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -379,19 +379,21 @@ class GGUFFile:
         return pad_packed_rows(packed, part.rows if part else None)
 
     def hf_weights(
-        self, config: ModelConfig, packed: bool = False, shard: WeightShard | None = None
+        self, config: ModelConfig, packed: bool | Callable[[str], bool] = False, shard: WeightShard | None = None
     ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield ``(hf_name, tensor)`` for every tensor the model uses, in HF layout: float32, or
         with ``packed`` a :class:`PackedWeight` for each block-quantized matrix (one tensor at a
-        time, so the float32 model never exists in memory); with ``shard``, only the part of each
-        tensor that one tensor-parallel rank keeps is read."""
+        time, so the float32 model never exists in memory), or for those whose HF name ``packed``
+        accepts; with ``shard``, only the part of each tensor that one tensor-parallel rank keeps
+        is read."""
         arch, two_ln = self.architecture, self.two_ln
         for name, t in self.tensors.items():
             hf_name = gguf_to_hf_name(name, arch, two_ln)
             if hf_name is None:
                 continue
             part = shard.slice(hf_name, tuple(int(d) for d in reversed(t.shape))) if shard else None
-            tensor = self.read_packed(name, part) if packed else None
+            keep_packed = packed(hf_name) if callable(packed) else packed
+            tensor = self.read_packed(name, part) if keep_packed else None
             if tensor is None:
                 tensor = self.read_tensor(name, part)
             if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):

@@ -74,6 +74,19 @@ class TensorParallelPlan:
     lm_head: str
 
 
+@dataclass(frozen=True)
+class LayerSplitPlan:
+    """Where a family's modules sit for a split between CPU and GPU (``-ngl``), by module path:
+    ``layers`` the list of decoder layers, ``inputs`` the modules before them (the token
+    embedding), ``outputs`` those after them (final norm, LM head), and ``final`` the module whose
+    output is the model's final hidden states."""
+
+    layers: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    final: tuple[str, ...]
+
+
 class CausalLM(Protocol):
     """The calls the engine makes on a loaded model (every class in ``models/`` provides them)."""
 
@@ -82,6 +95,8 @@ class CausalLM(Protocol):
     #: how the family splits over tensor-parallel ranks (a class attribute); a family without
     #: one runs on one rank only
     tensor_parallel_plan: TensorParallelPlan | None
+    #: where its modules sit when split between CPU and GPU (``-ngl``); None: one device only
+    layer_split_plan: LayerSplitPlan | None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor: ...

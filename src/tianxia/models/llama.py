@@ -39,7 +39,7 @@ from tianxia.layers.lora import LoRATarget
 from tianxia.layers.linear import QuantizedEmbedding, QuantizedLinear, SplitQuantizedLinear, dense_linear
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 from tianxia.layers.rotary import RotaryEmbedding
-from tianxia.models.base import TensorParallelPlan
+from tianxia.models.base import LayerSplitPlan, TensorParallelPlan
 from tianxia.quant.packed import PackedWeight, stack_runs
 
 logger = logging.getLogger(__name__)
@@ -256,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
     packed_weights = True  # load_weights takes PackedWeight matrices (CPU kernels)
     keeps_rows = True  # forward takes `keep`
     tensor_parallel_plan = _TENSOR_PARALLEL
+    layer_split_plan = LayerSplitPlan("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"),
+                                      ("model.norm",))
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()

@@ -388,6 +388,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         speculative=speculative_from_args(args),
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_offload_gb=args.cpu_offload_gb,
+        n_gpu_layers=args.n_gpu_layers,
         master_addr=args.master_addr,
         master_port=args.master_port,
         lora=lora_from_args(args),
