@@ -87,6 +87,18 @@ def make_tiny_hf_model(
     return out
 
 
+def make_word_level_tokenizer(out: Path, vocab_size: int = 49152) -> Path:
+    """A tokenizer of words ``t0`` .. ``t{vocab_size - 1}`` (EOS ``t2``): for tiny models on a
+    machine without the pulled models (the GPU machine)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", unk_token="t0").save_pretrained(out)
+    return out
+
+
 def make_adapter(base: torch.nn.Module, out: Path, seed: int, **lora) -> Path:
     """A PEFT adapter over ``base`` with random, non-zero A and B (a trained adapter's shape)."""
     from peft import LoraConfig, get_peft_model

@@ -21,7 +21,7 @@ from tianxia.config import EngineConfig
 from tianxia.loader.layer_split import LayerPlacement, LayerSplit
 from tianxia.models.llama import LlamaForCausalLM
 
-from helpers import make_tiny_hf_model
+from helpers import make_tiny_hf_model, make_word_level_tokenizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,14 +77,8 @@ def test_without_a_gpu_the_option_is_ignored_with_a_warning(tiny_models, caplog)
 def gpu_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny random llama (untied head) and qwen2 (tied, biases) models with a word-level tokenizer
     (no tokenizer download needed on a GPU machine)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("split")
-    tok_dir = root / "tok"
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(49152)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", unk_token="t0").save_pretrained(tok_dir)
+    tok_dir = make_word_level_tokenizer(root / "tok")
     return {a: make_tiny_hf_model(a, root / a, tok_dir, num_hidden_layers=4) for a in ("llama", "qwen2")}
 
 

@@ -178,7 +178,7 @@ def test_sampled_outputs_follow_the_target_distribution(tiny_models, method, sam
     from tianxia.engine.sequence import Sequence
     from tianxia.layers.sampler import Sampler, SamplingBatch
 
-    spec = dict(NGRAM, num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    spec = dict(NGRAM, num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2, min_acceptance_rate=0.0)
     if method == "draft_model":
         spec = {"model": str(tiny_models["qwen2"]), "num_speculative_tokens": 2, "disable_by_batch_size": None,
                 "min_acceptance_rate": 0.0}
@@ -271,7 +271,8 @@ def test_server_speculates_and_exports_vllms_counters(smollm2_path):
 
     from tianxia.server.testing import ServerProcess, metric
 
-    config = json.dumps(NGRAM)
+    # never switched off: the counters must see verifications of this short request
+    config = json.dumps({**NGRAM, "min_acceptance_rate": 0.0})
     with ServerProcess([str(smollm2_path), "--served-model-name", "m", "--kv-cache-memory", "64MiB",
                         "--max-model-len", "256", "--speculative-config", config]) as srv:
         body = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
@@ -310,3 +311,32 @@ def test_run_prints_the_acceptance_rate(smollm2_path, smollm2_llm, tiny_models, 
     plain = smollm2_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert out == PROMPTS[1] + plain[0].outputs[0].text
     assert "acceptance rate" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("method", "max_num_seqs"), [("draft_model", 16), ("ngram", 16), ("draft_model", 8)])
+def test_gpu_verification_runs_through_the_decode_graphs(tmp_path, method, max_num_seqs):
+    """On a GPU a verification step (k + 1 rows a sequence) replays the decode graphs as one-token
+    rows over their sequence's blocks: greedy output is the plain engine's, and no decode or
+    verification step runs eagerly (float32, a tiny random model that is its own draft). With more
+    rows than the graphs take (3 sequences x 4 rows > 8) the module forward verifies, as before."""
+    from helpers import make_tiny_hf_model, make_word_level_tokenizer
+
+    model = str(make_tiny_hf_model("qwen2", tmp_path / "m", make_word_level_tokenizer(tmp_path / "tok"),
+                                   num_hidden_layers=2))
+    spec = ({"model": model, "num_speculative_tokens": 3} if method == "draft_model" else
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    common = dict(device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=max_num_seqs, max_model_len=256)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8] * 6}, {"prompt_token_ids": list(range(40, 90))},
+               {"prompt_token_ids": [300, 301] * 10}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(model, **common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, speculative_config={**spec, "disable_by_batch_size": None, "min_acceptance_rate": 0.0},
+              **common)
+    runner = llm.engine.runner
+    runner.route_counts.clear()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == plain
+    assert spec_counts(llm)[1] > 0
+    if max_num_seqs == 16:
+        assert runner.route_counts["eager"] == 1, runner.route_counts  # the prompts' step only

@@ -121,7 +121,9 @@ class SpeculativeConfig:
     draft_min: int = 0
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # a sequence whose drafts are accepted at less than this rate (a running average) stops
-    # proposing for a while: rejected rows cost forward time and give nothing
+    # proposing for a while: rejected rows cost forward time and give nothing; and no sequence
+    # proposes while failed verifications' measured cost exceeds a share of the engine's time
+    # (spec_decode/speculator.py TIME_BUDGET). 0 turns both off
     min_acceptance_rate: float = 0.2
 
     def __post_init__(self) -> None:

@@ -445,6 +445,8 @@ class TensorParallelRunner(ModelRunner):
     copies (copy-on-write), made on every rank's cache; on CUDA every rank captures its decode
     graphs."""
 
+    verifies_as_decodes = False
+
     def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         self.model.workers.send(("step", step.batch_only()))
         return super().tensors(step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -517,6 +518,7 @@ class LLMEngine:
         error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
         :attr:`failed` until the next step."""
         self.failed.clear()
+        started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -528,11 +530,18 @@ class LLMEngine:
             touched[seq.request_id] = None
         if not out.scheduled:
             return [self._output(rid) for rid in touched if rid in self.requests]
-        if self.speculator is not None:
-            self.speculator.fill(out.scheduled)
+        spec = self.speculator
+        if spec is not None:
+            spec.fill(out.scheduled)
+            # a step of decodes (each one token, or one plus its proposals) counts in the time budget
+            decodes = all(n == 1 + len(seq.spec_token_ids) and seq.num_output_tokens for seq, n in out.scheduled)
+            drafts, accepted = spec.num_drafts, spec.num_accepted_tokens
         out.forks = self._fork(out.scheduled)
         result = self.runner.execute(self.scheduler.step_input(out))
         touched.update(dict.fromkeys(self.scheduler.update(out, result, self)))
+        if spec is not None and decodes:
+            spec.observe(time.perf_counter() - started, len(out.scheduled), spec.num_drafts > drafts,
+                         spec.num_accepted_tokens - accepted)
         return [self._output(rid) for rid in touched if rid in self.requests]
 
     # what the scheduler's update leaves to the engine (StepHandler): a token's text and logprobs,

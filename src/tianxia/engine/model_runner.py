@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -59,6 +60,10 @@ def _runs(places: list) -> list[tuple[object, int]]:
 
 
 class ModelRunner:
+    # whether verification steps may run as one-token rows through the decode graphs (a
+    # tensor-parallel rank 0 may not: its workers build their batches from the step it sends)
+    verifies_as_decodes = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -152,7 +157,9 @@ class ModelRunner:
     def execute(self, step: StepInput) -> RunnerOutput:
         """Run one step and sample its sampled rows (``step.sample_rows``)."""
         self.copy_blocks(step.copies)
-        ids, pos, meta = self.tensors(step)
+        # a step that verifies proposals runs as the decode graphs' one-token rows where it can
+        flat = self._as_decodes(step, verification=True)
+        ids, pos, meta = self.tensors(flat or step)
         rows = list(step.sample_rows)
         row_slots = self.lora_rows(step)
         keep = self._rows_to_keep(step, rows, ids.shape[0])
@@ -163,7 +170,7 @@ class ModelRunner:
         try:
             # rows with an adapter take the module forward, whose hooks add the adapters'
             # deltas, unless the fused decode step or the decode graphs take them
-            graph_logits = (self._decode_logits(step, ids, pos, meta)
+            graph_logits = (self._decode_logits(flat or step, ids, pos, meta)
                             if not row_slots or self.fused_lora or on_device else None)
             if graph_logits is not None:
                 hidden = None
@@ -210,6 +217,36 @@ class ModelRunner:
             if lp is not None and sid not in result.errors:
                 result.logprobs[sid] = lp
         return result
+
+    def _as_decodes(self, step: StepInput, verification: bool) -> StepInput | None:
+        """The step's rows as one-token rows, each its own sequence over its sequence's blocks
+        with the context up to its position, or None where that does not apply: with
+        ``verification``, a step of decodes and verifications (k + 1 rows of a sequence, each
+        sampled); without, any step whose rows fit (a draft model's catch-up chunks).
+
+        Each layer writes every row's K/V before any row attends, so row j of a chunk sees the
+        rows before it as a decode sees its context: the decode CUDA graphs
+        then run it as they run decoding, instead of an eager forward of the whole model (on a
+        GPU, several times the cost of a replayed decode step). A target's prompt chunks keep
+        the module forward, whose numbers the plain engine's prompts have."""
+        if (self.graph_runner is None or step.all_rows or step.prompt_logprobs
+                or step.num_decodes == step.num_seqs or any(slot >= 0 for slot in step.lora_slots)):
+            return None
+        num_rows = len(step.input_ids)
+        if verification and (not self.verifies_as_decodes or step.spec_groups is None
+                             or len(set(step.sample_rows)) != num_rows):
+            return None
+        # no more rows than a decode step of max_num_seqs sequences: the fused step's buffers
+        # (where the graphs stop) are sized for that many
+        if num_rows > self.graph_runner.max_batch:
+            return None
+        tables: list[list[int]] = []
+        seq_ids: list[int] = []
+        for sid, n, table in zip(step.seq_ids, step.query_lens, step.block_tables):
+            tables += [table] * n
+            seq_ids += [sid] * n
+        return replace(step, seq_ids=seq_ids, query_lens=[1] * num_rows, block_tables=tables,
+                       seq_lens=[p + 1 for p in step.positions], lora_slots=[-1] * num_rows)
 
     def lora_rows(self, step: StepInput) -> list[int] | None:
         """Each token row's adapter slot (-1: base), or None when no row has one."""
@@ -365,6 +402,12 @@ class ModelRunner:
     def last_logits(self, step: StepInput) -> torch.Tensor:
         """Logits at the last new token of each sequence of ``step``, in its order (a draft
         model's steps, which sample on their own)."""
+        flat = self._as_decodes(step, verification=False)
+        if flat is not None:
+            logits = self._decode_logits(flat, *self.tensors(flat))
+            if logits is not None:
+                last = torch.tensor(step.query_lens, device=logits.device).cumsum(0) - 1
+                return logits[last]
         ids, pos, meta = self.tensors(step)
         logits = self._decode_logits(step, ids, pos, meta)
         if logits is not None:

@@ -13,6 +13,17 @@ BACKOFF_STEPS = 16
 MAX_STRIKES = 5
 # weight of the latest step in a sequence's running acceptance rate
 ACCEPTANCE_WEIGHT = 0.5
+# the share of the engine's time that failed speculation may cost: a verification that gains less
+# than its time (against a plain decode step of the same batch, measured) runs up a debt, and no
+# sequence proposes until plain steps have paid it back at this share of their time. Where
+# proposals fail on a device whose verification and draft steps cost several plain steps, this
+# bounds the loss to about this share plus one attempt; where they pay, the debt stays at zero
+TIME_BUDGET = 0.03
+# weight of the latest plain step in the running step time of its batch size
+STEP_TIME_WEIGHT = 0.2
+# verifications that gained time bank it, up to this many plain steps' worth, so that a workload
+# whose proposals mostly pay is not paused by its occasional refused one
+CREDIT_STEPS = 16
 
 
 class Speculator:
@@ -29,6 +40,10 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k
+        # the speculation time budget: a plain decode step's running seconds per batch size, and
+        # the seconds failed speculation has cost beyond what plain steps have paid back
+        self.plain_step_s: dict[int, float] = {}
+        self.debt_s = 0.0
 
     def propose(self, running: list[Sequence]) -> None:
         """Set ``spec_token_ids`` (and ``draft_probs``) of the running sequences that speculate
@@ -39,6 +54,9 @@ class Speculator:
             seq.draft_probs = None
         if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
             return
+        # the time budget (a floor of 0: never switched off); a batch size's first decode step
+        # runs plain, so that the first verification's cost is measured against a plain step's
+        timed_out = cfg.min_acceptance_rate > 0 and (self.debt_s > 0 or len(running) not in self.plain_step_s)
         todo: list[tuple[Sequence, int]] = []
         for seq in running:
             if seq.num_computed_tokens != len(seq) - 1 or not seq.num_output_tokens:
@@ -47,6 +65,11 @@ class Speculator:
                 continue
             if seq.spec_backoff:
                 seq.spec_backoff -= 1
+                continue
+            if timed_out and seq.params.seed is None:
+                # a seeded request's draws depend on which steps verify: timing must not decide
+                # them (its own acceptance rate still does), or the same request would give
+                # different answers
                 continue
             # the proposals and the token after them stay within max_tokens and the context
             k = min(cfg.num_speculative_tokens, self.max_model_len - len(seq))
@@ -96,6 +119,20 @@ class Speculator:
             seq.spec_acceptance = min(1.0, floor * 1.5)
         elif rate >= floor:
             seq.spec_strikes = 0
+
+    def observe(self, seconds: float, num_seqs: int, drafted: bool, accepted: int) -> None:
+        """Account one decode step (every sequence decoding or verifying) of ``num_seqs``
+        sequences that took ``seconds``: ``drafted`` whether any verified proposals, ``accepted``
+        how many proposals were accepted in it."""
+        plain = self.plain_step_s.get(num_seqs)
+        if not drafted:
+            self.plain_step_s[num_seqs] = seconds if plain is None else plain + STEP_TIME_WEIGHT * (seconds - plain)
+            if self.debt_s > 0:  # plain steps pay a debt back; they add no credit
+                self.debt_s = max(0.0, self.debt_s - TIME_BUDGET * seconds)
+        elif plain is not None:
+            # what plain steps would have taken for the tokens this step gave every sequence
+            waste = seconds - plain * (1 + accepted / num_seqs)
+            self.debt_s = max(-CREDIT_STEPS * plain, self.debt_s + waste - TIME_BUDGET * seconds)
 
     @property
     def acceptance_rate(self) -> float:
