@@ -96,7 +96,7 @@ class LoRAAdapter:
 
 def adapter_dtype(model: nn.Module, targets: dict[str, LoRATarget]) -> torch.dtype:
     """The dtype a CPU model holds its adapters' matrices in: float16 where every targeted
-    module's weight is packed (a GGUF model), else float32.
+    module's weight is packed (a GGUF model, or one quantized at load), else float32.
 
     Over packed weights a decode step's bytes are the model's quantized weights plus every
     adapter matrix of the batch, read whole (SmolLM2-135M Q4_1: ~98 MiB, and 18.6 MiB per

@@ -323,7 +323,7 @@ void float_product(const Packed& w, const float* x, int64_t M, const float* bias
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local std::vector<float> buffer;
     if (!dense) buffer.resize(tile * K);
-    std::vector<const float*> rows(tile);
+    std::vector<const float*> rows(w.bits == 16 ? 0 : tile);
     std::vector<const uint16_t*> half_rows(w.bits == 16 ? tile : 0);
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
       const int64_t n0 = i * tile, nt = std::min(tile, N - n0);
