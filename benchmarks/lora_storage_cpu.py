@@ -7,14 +7,17 @@ SmolLM2-135M's shapes (30 layers; q, k, v, o, gate, up, down), one random adapte
 over all seven projections, ``--rows`` activation rows (16 streams over 4 adapters: 4 rows each).
 Each way computes every delta of one step, ``(x @ A.T) @ B.T`` per fused module:
 
-- ``float32 parts``: each targeted part's A and B on their own (what tianxia stores), through the
-  row-invariant float kernel (``dense_linear``);
+- ``float32 parts``: each targeted part's A and B on their own (what tianxia stores over a float
+  base), through the row-invariant float kernel (``dense_linear``);
+- ``float16 parts (dense_linear)``: the same in float16, which the kernel widens to float32 in
+  registers (what tianxia stores over a packed base: half the bytes, each row computed alone);
 - ``float32 block-diagonal``: per fused module A stacked and B block-diagonal with zero blocks
   (the earlier layout), same kernel;
 - ``bfloat16 parts`` / ``float16 parts``: the parts in 16 bits through ``torch.nn.functional.linear``
   (torch's kernels: faster or not, their rows are not computed alone).
 
 The ways run interleaved, ``--reps`` times; medians and each way's time relative to the first.
+Everything runs under ``torch.no_grad()``: with autograd on, ``dense_linear`` is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -79,8 +82,11 @@ def main() -> None:
                 y = torch.zeros(x.shape[0], out)
                 y += dense_linear(dense_linear(x, a), b)
 
+    f16 = [[(x, out, [(row0, a.half(), b.half()) for row0, a, b in parts]) for x, out, parts in layer]
+           for layer in layers]
     ways = {
         "float32 parts (dense_linear)": lambda: parts_step(layers, dense_linear),
+        "float16 parts (dense_linear)": lambda: parts_step(f16, dense_linear),
         "float32 block-diagonal (dense_linear)": stacked_step,
         "bfloat16 parts (F.linear)": lambda: parts_step(half[torch.bfloat16], F.linear),
         "float16 parts (F.linear)": lambda: parts_step(half[torch.float16], F.linear),
@@ -92,7 +98,8 @@ def main() -> None:
             fn()
             if rep:  # the first repetition warms up
                 times[name].append(time.perf_counter() - t0)
-    mib = {"float32 parts (dense_linear)": 4, "float32 block-diagonal (dense_linear)": None,
+    mib = {"float32 parts (dense_linear)": 4, "float16 parts (dense_linear)": 2,
+           "float32 block-diagonal (dense_linear)": None,
            "bfloat16 parts (F.linear)": 2, "float16 parts (F.linear)": 2}
     part_values = sum(a.numel() + b.numel() for layer in layers for _, _, parts in layer for _, a, b in parts)
     stacked_values = sum(a.numel() + b.numel() for layer in stacked for _, _, (a, b) in layer)
@@ -106,4 +113,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():
+        main()

@@ -98,10 +98,23 @@ def test_base_and_three_adapters_in_one_batch_match_peft(arch, tiny_adapters):
     check_against_peft(llm, base, adapters, PROMPTS, arch)
 
 
+def float16_values(adapter: Path) -> Path:
+    """The PEFT adapter with its matrices rounded to float16 values (kept float32 in the file):
+    over a packed model tianxia holds adapters in float16 (layers/lora.py ``adapter_dtype``), which
+    loses nothing on these (their scalings, 1 and 2, are powers of two), so the comparison with
+    peft stays at float32 rounding."""
+    from safetensors.torch import load_file, save_file
+
+    file = adapter / "adapter_model.safetensors"
+    save_file({k: t.half().float() for k, t in load_file(str(file)).items()}, str(file))
+    return adapter
+
+
 def test_smollm2_adapters_match_peft(smollm2_path, smollm2_reference, tmp_path):
+    # SmolLM2's GGUF weights are packed: its adapters are held in float16
     adapters = {
-        "all": make_adapter(smollm2_reference, tmp_path / "all", 0, **ADAPTERS["all"]),
-        "qv": make_adapter(smollm2_reference, tmp_path / "qv", 1, **ADAPTERS["qv"]),
+        "all": float16_values(make_adapter(smollm2_reference, tmp_path / "all", 0, **ADAPTERS["all"])),
+        "qv": float16_values(make_adapter(smollm2_reference, tmp_path / "qv", 1, **ADAPTERS["qv"])),
     }
     llm = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=256, seed=0, cpu_activations="float32",
               enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -130,6 +143,71 @@ def test_fused_decode_step_adds_the_same_deltas_as_the_module_path(tiny_llm, tin
         assert run() == fused
     finally:
         runner.fused_lora = True
+
+
+def test_packed_model_holds_float16_adapters_and_both_routes_agree(smollm2_path, smollm2_reference, tmp_path):
+    """Over a packed (GGUF) model the adapters are held in float16 (half the bytes a decode step
+    reads): the fused decode step and the module path still give the same tokens and logprobs bit
+    for bit, and each delta is the float32 adapter's within float16 rounding."""
+    adapters = {
+        "all": make_adapter(smollm2_reference, tmp_path / "all", 0, **ADAPTERS["all"]),
+        "qv": make_adapter(smollm2_reference, tmp_path / "qv", 1, **ADAPTERS["qv"]),
+    }
+    # the default 8-bit activations, as served
+    llm = LLM(str(smollm2_path), kv_cache_memory="64MiB", max_model_len=256, seed=0, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    runner = llm.engine.runner
+    assert runner.fused_lora
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=3, ignore_eos=True)
+    loras = [None, *(LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())),
+             LoRARequest("all", 1, str(adapters["all"]))]
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS)]
+
+    def run() -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused_before = runner.route_counts["fused"]
+    fused = run()
+    assert runner.route_counts["fused"] >= fused_before + NEW_TOKENS - 1
+    runner.fused_lora = False
+    try:
+        assert run() == fused
+    finally:
+        runner.fused_lora = True
+    assert fused[1] != fused[0] and fused[2] != fused[0]  # the adapters change the outputs
+
+    manager = llm.engine.lora_manager
+    state = runner.lora
+    g = torch.Generator().manual_seed(0)
+    torch.set_grad_enabled(False)  # dense_linear takes the kernels outside autograd only
+    try:
+        _check_float16_deltas(adapters, manager, state, g)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_float16_deltas(adapters: dict[str, Path], manager, state, g: torch.Generator) -> None:
+    from tianxia.layers.lora import load_peft_adapter
+    from tianxia.quant.cpu_kernels import dense_linear
+
+    for name, path in adapters.items():
+        held = state.slots[manager.slot_of[name]]
+        f32 = load_peft_adapter(name, path, state.targets, max_rank=8)
+        assert held.nbytes * 2 == f32.nbytes
+        for module, parts in f32.weights.items():
+            for p32, p16 in zip(parts, held.weights[module], strict=True):
+                assert p16.a.dtype == p16.b.dtype == torch.float16 and p16.row0 == p32.row0
+                x = torch.randn(5, p32.a.shape[1], generator=g)
+                got = dense_linear(dense_linear(x, p16.a), p16.b)
+                # the float32 products of the float16 values, bit for bit
+                assert torch.equal(got, dense_linear(dense_linear(x, p16.a.float()), p16.b.float()))
+                want = (x.double() @ p32.a.double().T) @ p32.b.double().T
+                # each of A's and B's values rounded once to float16 (relative 2^-11), then float32
+                bound = (x.double().abs() @ p32.a.double().abs().T) @ p32.b.double().abs().T
+                assert bool(((got.double() - want).abs() <= 2.2 * 2**-11 * bound + 1e-6).all()), (name, module)
+                assert not torch.equal(got, dense_linear(dense_linear(x, p32.a), p32.b))  # really float16
 
 
 def test_prefix_cache_keys_blocks_by_adapter(tiny_llm, tiny_adapters):

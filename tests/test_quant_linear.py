@@ -66,6 +66,30 @@ def test_packed_matmul_equals_dequantize_then_matmul(qtype):
     assert torch.allclose(cpu_kernels.packed_rows(rows, packed), reference[rows], atol=1e-6)
 
 
+@pytest.mark.parametrize("cols", [16, 576, 83])  # a LoRA B's rank, a hidden size, one with a tail
+@torch.no_grad()  # dense_linear takes the kernels outside autograd only
+def test_float16_weights_give_the_float32_products_of_their_values(cols):
+    """dense_linear with a float16 weight (LoRA adapters over packed models) is the float32
+    product with the weight's values, bit for bit, and each row's result is the same for any
+    number of rows and threads."""
+    g = torch.Generator().manual_seed(cols)
+    w16 = (torch.randn(37, cols, generator=g) * 0.1).half()
+    x = torch.randn(11, cols, generator=g)
+    bias = torch.randn(37, generator=g)
+    whole = cpu_kernels.dense_linear(x, w16, bias)
+    assert torch.equal(whole, cpu_kernels.dense_linear(x, w16.float(), bias))
+    want = x.double() @ w16.double().T + bias.double()
+    assert float((whole - want).abs().max()) < 1e-5 * float(want.abs().max())
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, threads}:
+            torch.set_num_threads(n_threads)
+            for m in (1, 2, 3, 4, 5, 9):
+                assert torch.equal(cpu_kernels.dense_linear(x[:m], w16, bias), whole[:m]), (m, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype", sorted(PACKABLE_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_int8_activations_stay_close_and_batch_invariant(qtype):
     # 8-bit activation codes (one scale per 32 values) against the exact float product: an error

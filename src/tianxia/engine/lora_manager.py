@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tianxia.config import LoRAConfig
-from tianxia.layers.lora import LoRAAdapter, LoRAError, LoRAState, load_peft_adapter, stack_adapters
+from tianxia.layers.lora import LoRAAdapter, LoRAError, LoRAState, adapter_dtype, load_peft_adapter, stack_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ class LoRAManager:
                                           dtype=param.dtype, device=self.device)
         else:
             self.state = LoRAState(model, model.lora_targets())
+        # the adapters' matrices: float16 over a packed CPU model (half the bytes a decode step
+        # reads per adapter), else float32 (layers/lora.py adapter_dtype)
+        self.dtype = adapter_dtype(model, self.state.targets) if type(self.state) is LoRAState else None
         # name -> the adapter files and their scales (several: their deltas are summed)
         self.sources: dict[str, tuple[tuple[str, float], ...]] = {}
         self.slot_of: dict[str, int] = {}
@@ -119,7 +122,7 @@ class LoRAManager:
 
     def _read(self, name: str, sources: tuple[tuple[str, float], ...]) -> LoRAAdapter:
         adapter = stack_adapters(name, [self._read_one(name, path, scale) for path, scale in sources])
-        return adapter.to(self.device)
+        return adapter.to(self.device, self.dtype)
 
     def _read_one(self, name: str, path: str, scale: float) -> LoRAAdapter:
         """A PEFT directory, or llama.cpp's GGUF adapter file."""

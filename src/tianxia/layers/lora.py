@@ -5,10 +5,13 @@ An adapter is read from a PEFT directory (``adapter_config.json`` + ``adapter_mo
 into, per fused module of the base (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``),
 the parts it targets: each its own ``A`` ``[r, in]``, its ``B`` ``[rows, r]`` with the scaling
 folded in, and the first output row of the fused module it adds to. Only what the adapter trained
-is stored (no zero blocks for the parts it leaves alone), in float32: the row-invariant float
-kernel reads float32, and a decode step reads every adapter matrix of its batch whole, like the
-weights. (``loader/gguf_lora.py`` reads llama.cpp's GGUF adapters into the same form through
-:func:`build_adapter`.)
+is stored (no zero blocks for the parts it leaves alone). A decode step reads every adapter
+matrix of its batch whole, like the weights, so their bytes count: over a packed (GGUF) base on
+CPU the matrices are held in float16 (:func:`adapter_dtype`; half the bytes of float32, as
+llama.cpp's GGUF adapters usually come), which the row-invariant float kernel widens to float32
+in registers; over a float base they stay float32, where results are compared with
+transformers + PEFT in float32. (``loader/gguf_lora.py`` reads llama.cpp's GGUF adapters into
+the same form through :func:`build_adapter`.)
 
 A step's rows are grouped by adapter (Punica / S-LoRA's segmented product): the runner orders
 them by adapter, each adapter present multiplies its own run of rows in place, and the base rows
@@ -61,8 +64,15 @@ class LoRAPart:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [rows, r], scaled
 
-    def to(self, device: torch.device) -> LoRAPart:
-        return LoRAPart(self.row0, self.a.to(device), self.b.to(device))
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> LoRAPart:
+        """On ``device``, in ``dtype`` (None: as it is); a part whose values would overflow
+        float16 stays float32."""
+        a, b = self.a.to(device), self.b.to(device)
+        if dtype is not None and dtype != a.dtype:
+            a2, b2 = a.to(dtype), b.to(dtype)
+            if bool(torch.isfinite(a2).all()) and bool(torch.isfinite(b2).all()):
+                a, b = a2.contiguous(), b2.contiguous()
+        return LoRAPart(self.row0, a, b)
 
 
 @dataclass
@@ -79,9 +89,28 @@ class LoRAAdapter:
         return sum(t.numel() * t.element_size() for parts in self.weights.values() for p in parts
                    for t in (p.a, p.b))
 
-    def to(self, device: torch.device) -> LoRAAdapter:
-        weights = {module: [p.to(device) for p in parts] for module, parts in self.weights.items()}
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> LoRAAdapter:
+        weights = {module: [p.to(device, dtype) for p in parts] for module, parts in self.weights.items()}
         return LoRAAdapter(self.name, self.path, self.rank, weights)
+
+
+def adapter_dtype(model: nn.Module, targets: dict[str, LoRATarget]) -> torch.dtype:
+    """The dtype a CPU model holds its adapters' matrices in: float16 where every targeted
+    module's weight is packed (a GGUF model, or one quantized at load), else float32.
+
+    Over packed weights a decode step's bytes are the model's quantized weights plus every
+    adapter matrix of the batch, read whole (SmolLM2-135M Q4_1: ~98 MiB, and 18.6 MiB per
+    rank-16 adapter over all seven projections in float32), so float16 halves the adapters'
+    share; the kernel widens each value exactly to float32 and computes as for float32, so the
+    deltas are those of the adapter rounded once to float16 (llama.cpp's GGUF adapters are
+    usually float16 too), and the fused decode step and the module path still agree bit for bit.
+    A float base keeps float32 adapters: its results are compared with transformers + PEFT in
+    float32, and its own weights' bytes dwarf the adapters'."""
+    from tianxia.layers.linear import QuantizedLinear, SplitQuantizedLinear
+
+    modules = [model.get_submodule(name) for name in targets]
+    packed = bool(modules) and all(isinstance(m, (QuantizedLinear, SplitQuantizedLinear)) for m in modules)
+    return torch.float16 if packed else torch.float32
 
 
 # PEFT keys: "base_model.model.<module>.lora_A[.<adapter name>].weight"

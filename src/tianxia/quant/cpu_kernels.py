@@ -130,9 +130,13 @@ def scale_table(w: PackedWeight) -> torch.Tensor | None:
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with each row computed alone (no blocking by the number of rows, as
-    BLAS does), for float32 tensors on CPU; anything else goes to ``F.linear``."""
+    BLAS does), for a float32 x and a float32 or float16 weight on CPU (float16 values widened
+    to float32 as they are read: the float32 product with them); anything else goes to
+    ``F.linear``."""
     ext = fused_ops(x)
-    if ext is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if ext is None or weight.dtype not in (torch.float32, torch.float16) or weight.device.type != "cpu":
+        if weight.dtype == torch.float16 and x.dtype == torch.float32:
+            weight = weight.float()
         return F.linear(x, weight, bias)
     shape = x.shape
     y = ext.dense_linear(x.reshape(-1, shape[-1]), weight, bias)

@@ -61,9 +61,11 @@ torch::Tensor packed_scale_table(torch::Tensor qs, torch::Tensor scales, torch::
 
 // y = x @ w.T + bias for a float32 weight [N, K], row by row as the float path computes it
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "the weight must be float32 [N, K]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kHalf),
+              "the weight must be float32 or float16 [N, K]");
   weight = weight.contiguous();
-  return product(x, unpack(weight, torch::Tensor(), torch::Tensor(), 32, 0), bias, false);
+  const int64_t bits = weight.scalar_type() == torch::kFloat32 ? 32 : 16;
+  return product(x, unpack(weight, torch::Tensor(), torch::Tensor(), bits, 0), bias, false);
 }
 
 // rows idx of w, dequantized: [len(idx), K] float32 (embedding lookups)
@@ -214,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("bits"), py::arg("group"),
         py::arg("int8"), py::arg("table") = py::none());
   m.def("packed_scale_table", &packed_scale_table, release, "a packed weight's scales per quad of rows");
-  m.def("dense_linear", &dense_linear, release, "x @ w.T + bias with a float32 w, row-invariant");
+  m.def("dense_linear", &dense_linear, release, "x @ w.T + bias with a float32 or float16 w, row-invariant");
   m.def("packed_rows", &packed_rows, release, "rows of a block-quantized matrix, dequantized");
   m.def("rms_norm", &rms_norm, release, "fused residual add + RMSNorm");
   m.def("rope", &rope, release, "in-place rotary embedding of q and k");

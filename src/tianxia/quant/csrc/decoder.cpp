@@ -9,7 +9,8 @@
 //
 // LoRA adapters (layers/lora.py) are registered by slot; a step's rows come in runs of one slot,
 // and after each projection every run adds its adapter's parts, (x A^T) B^T on its rows, with the
-// float kernel the module path's dense_linear uses, so both paths give the same bits.
+// float kernel the module path's dense_linear uses, so both paths give the same bits (for float32
+// adapters and for the float16 ones held over packed models alike).
 #include <torch/extension.h>
 
 #include <array>
@@ -41,7 +42,7 @@ struct Linear {
 // one targeted part of a projection: its delta is added to output rows [row0, row0 + b.N)
 struct LoraPart {
   at::Tensor a_t, b_t;
-  Packed a, b;  // [r, K], [rows, r] float32
+  Packed a, b;  // [r, K], [rows, r] float32, or float16 over a packed model (bits=16)
   int64_t row0 = 0;
 };
 
@@ -150,9 +151,12 @@ class Decoder {
       LoraPart p;
       p.a_t = tensors[2 * i].contiguous();
       p.b_t = tensors[2 * i + 1].contiguous();
-      TORCH_CHECK(p.a_t.scalar_type() == at::kFloat && p.b_t.scalar_type() == at::kFloat, "adapters are float32");
-      p.a = unpack(p.a_t, at::Tensor(), at::Tensor(), 32, 0);
-      p.b = unpack(p.b_t, at::Tensor(), at::Tensor(), 32, 0);
+      const auto type = p.a_t.scalar_type();
+      TORCH_CHECK((type == at::kFloat || type == at::kHalf) && p.b_t.scalar_type() == type,
+                  "an adapter part's matrices are both float32 or both float16");
+      const int64_t bits = type == at::kFloat ? 32 : 16;
+      p.a = unpack(p.a_t, at::Tensor(), at::Tensor(), bits, 0);
+      p.b = unpack(p.b_t, at::Tensor(), at::Tensor(), bits, 0);
       p.row0 = index[3 * i + 2];
       TORCH_CHECK(p.a.K == in[proj] && p.b.K == p.a.N && p.row0 >= 0 && p.row0 + p.b.N <= out[proj],
                   "adapter part of layer ", layer, " projection ", proj, " has the wrong shape");

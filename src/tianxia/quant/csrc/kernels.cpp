@@ -21,14 +21,15 @@ Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& 
   TORCH_CHECK(qs.is_contiguous(), "packed weight tensors must be contiguous");
   Packed p;
   p.bits = bits;
-  if (bits == 32) {
-    TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kFloat, "float weights must be float32 [N, K]");
-    p.qs = reinterpret_cast<const uint8_t*>(qs.data_ptr<float>());
+  if (bits == 32 || bits == 16) {
+    TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == (bits == 32 ? at::kFloat : at::kHalf),
+                "float weights must be float32 (bits=32) or float16 (bits=16) [N, K]");
+    p.qs = static_cast<const uint8_t*>(qs.data_ptr());
     p.N = qs.size(0);
     p.K = qs.size(1);
     return p;
   }
-  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6, 8 or 32");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6, 8, 16 or 32");
   TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
               "scales must be contiguous float16 or float32");
   TORCH_CHECK(bits == 8   ? group % 16 == 0
@@ -104,7 +105,7 @@ void Activations::prepare(const float* rows, int64_t m, int64_t k) {
   });
 }
 
-bool int8_path(const Packed& w) { return w.bits != 32 && w.K % 32 == 0; }
+bool int8_path(const Packed& w) { return !w.is_float() && w.K % 32 == 0; }
 
 void product_rows(const Packed& w, const float* x, int64_t M, bool int8, const float* bias, float* out,
                   Activations& a) {
@@ -146,17 +147,18 @@ void dequant_row_as(const Packed& w, int64_t n, float* dst) {
   }
 }
 
-// MR activation rows (x, row stride K) against NR weight rows (float32, wr[n]) over all of K, into
-// out (row stride N): the float path's operation sequence (kernels.h) for each output
-template <int MR, int NR>
-void dot_tile(const float* x, int64_t K, const float* const* wr, const float* bias, float* out, int64_t N) {
+// MR activation rows (x, row stride K) against NR weight rows (float32, or float16 widened exactly
+// to float32 as they are loaded: wr[n]) over all of K, into out (row stride N): the float path's
+// operation sequence (kernels.h) for each output
+template <int MR, int NR, typename W>
+void dot_tile(const float* x, int64_t K, const W* const* wr, const float* bias, float* out, int64_t N) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   const int64_t K8 = K / 8 * 8;
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(wr[n] + k);
+    for (int n = 0; n < NR; ++n) wv[n] = load8(wr[n] + k);
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
@@ -165,7 +167,7 @@ void dot_tile(const float* x, int64_t K, const float* const* wr, const float* bi
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       float s = hsum(acc[m][n]);
-      for (int64_t k = K8; k < K; ++k) s = std::fma(wr[n][k], x[m * K + k], s);
+      for (int64_t k = K8; k < K; ++k) s = std::fma(to_float(wr[n][k]), x[m * K + k], s);
       out[m * N + n] = bias ? s + bias[n] : s;
     }
 }
@@ -246,18 +248,34 @@ void dequant_rows_as(const Packed& w, int64_t n0, int64_t n1, const float* x, in
   }
 }
 
-using DotFn = void (*)(const float*, int64_t, const float* const*, const float*, float*, int64_t);
+template <typename W>
+using DotFn = void (*)(const float*, int64_t, const W* const*, const float*, float*, int64_t);
 constexpr int kMaxTileRows = 4;            // activation rows per register tile
 constexpr int kTileCols[5] = {0, 8, 4, 3, 3};  // weight rows per register tile, by activation rows
 
-template <int MR, int... NR>
-constexpr std::array<DotFn, 8> dot_row(std::integer_sequence<int, NR...>) { return {dot_tile<MR, NR + 1>...}; }
+template <int MR, typename W, int... NR>
+constexpr std::array<DotFn<W>, 8> dot_row(std::integer_sequence<int, NR...>) { return {dot_tile<MR, NR + 1, W>...}; }
 
-const DotFn* dot_tiles(int mr) {
+template <typename W>
+const DotFn<W>* dot_tiles(int mr) {
   constexpr auto cols = std::make_integer_sequence<int, 8>{};
-  static constexpr std::array<DotFn, 8> k1 = dot_row<1>(cols), k2 = dot_row<2>(cols), k3 = dot_row<3>(cols),
-                                        k4 = dot_row<4>(cols);
+  static constexpr std::array<DotFn<W>, 8> k1 = dot_row<1, W>(cols), k2 = dot_row<2, W>(cols),
+                                           k3 = dot_row<3, W>(cols), k4 = dot_row<4, W>(cols);
   return mr == 1 ? k1.data() : mr == 2 ? k2.data() : mr == 3 ? k3.data() : k4.data();
+}
+
+// M rows of x against float weight rows [n0, n0 + nt) (rows[r]: row n0 + r), register tile by tile
+template <typename W>
+void dot_rows(const float* x, int64_t M, int64_t K, const W* const* rows, int64_t n0, int64_t nt, const float* bias,
+              float* out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+    const int mr = (int)std::min<int64_t>(kMaxTileRows, M - m0);
+    const DotFn<W>* fns = dot_tiles<W>(mr);
+    for (int64_t r = 0; r < nt; r += kTileCols[mr]) {
+      const int nr = (int)std::min<int64_t>(kTileCols[mr], nt - r);
+      fns[nr - 1](x + m0 * K, K, rows + r, bias ? bias + n0 + r : nullptr, out + m0 * N + n0 + r, N);
+    }
+  }
 }
 
 }  // namespace
@@ -265,6 +283,9 @@ const DotFn* dot_tiles(int mr) {
 void dequant_row(const Packed& w, int64_t n, float* dst) {
   if (w.bits == 32) {
     std::memcpy(dst, w.qs + n * w.row_bytes(), sizeof(float) * w.K);
+  } else if (w.bits == 16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.qs + n * w.row_bytes());
+    for (int64_t k = 0; k < w.K; ++k) dst[k] = to_float(src[k]);
   } else if (w.half) {
     dequant_row_as<uint16_t>(w, n, dst);
   } else {
@@ -277,7 +298,7 @@ constexpr int64_t kFewFloatRows = 4;
 
 void float_product(const Packed& w, const float* x, int64_t M, const float* bias, float* out) {
   const int64_t N = w.N, K = w.K;
-  const bool dense = w.bits == 32;  // read in place
+  const bool dense = w.is_float();  // read in place (float16 widened in registers)
   if (!dense && M <= kFewFloatRows) {
     // about 8 shares of weight rows per thread, from an atomic counter
     const int64_t threads = at::get_num_threads();
@@ -302,9 +323,15 @@ void float_product(const Packed& w, const float* x, int64_t M, const float* bias
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local std::vector<float> buffer;
     if (!dense) buffer.resize(tile * K);
-    std::vector<const float*> rows(tile);
+    std::vector<const float*> rows(w.bits == 16 ? 0 : tile);
+    std::vector<const uint16_t*> half_rows(w.bits == 16 ? tile : 0);
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
       const int64_t n0 = i * tile, nt = std::min(tile, N - n0);
+      if (w.bits == 16) {
+        for (int64_t r = 0; r < nt; ++r) half_rows[r] = reinterpret_cast<const uint16_t*>(w.qs) + (n0 + r) * K;
+        dot_rows(x, M, K, half_rows.data(), n0, nt, bias, out, N);
+        continue;
+      }
       for (int64_t r = 0; r < nt; ++r) {
         if (dense) {
           rows[r] = reinterpret_cast<const float*>(w.qs) + (n0 + r) * K;
@@ -313,14 +340,7 @@ void float_product(const Packed& w, const float* x, int64_t M, const float* bias
           rows[r] = buffer.data() + r * K;
         }
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
-        const int mr = (int)std::min<int64_t>(kMaxTileRows, M - m0);
-        const DotFn* fns = dot_tiles(mr);
-        for (int64_t r = 0; r < nt; r += kTileCols[mr]) {
-          const int nr = (int)std::min<int64_t>(kTileCols[mr], nt - r);
-          fns[nr - 1](x + m0 * K, K, rows.data() + r, bias ? bias + n0 + r : nullptr, out + m0 * N + n0 + r, N);
-        }
-      }
+      dot_rows(x, M, K, rows.data(), n0, nt, bias, out, N);
     }
   });
 }

@@ -11,7 +11,10 @@
 //            whose byte j bits 2i..2i+1 are bits 4..5 of element 8i+j; codes are those 6 bits - 32;
 //            groups of 16 or 32;
 //   bits=8:  qs [N, K] int8, groups of `group` (a multiple of 16);
-//   bits=32: qs [N, K] float32, no scales (plain float weights in the fused decode step).
+//   bits=32: qs [N, K] float32, no scales (plain float weights in the fused decode step);
+//   bits=16: qs [N, K] float16, no scales (LoRA adapters over a packed model: half the bytes of
+//            float32, widened exactly to float32 in registers, so a product equals the float32
+//            product with the float16 values).
 // scales and mins are [N, K/group] float16 or float32 (the same for both); mins may be absent
 // (w = q * scale). fp16 keeps ggml's own scales at their stored size where they are exact in it.
 #pragma once
@@ -141,7 +144,8 @@ struct Packed {
   // The scales and mins per quad of rows and block (quad_scale_table), laid out once where a
   // weight is held for many products (the fused decode step); nullptr: gathered at each product
   const void* quad_scales = nullptr;
-  int64_t row_bytes() const { return bits == 32 ? 4 * K : K * bits / 8; }
+  bool is_float() const { return bits == 32 || bits == 16; }  // plain float weights, no scales
+  int64_t row_bytes() const { return K * bits / 8; }
   template <typename S>
   const S* scales_of(int64_t n) const { return static_cast<const S*>(scales) + n * groups; }
   template <typename S>
@@ -163,7 +167,7 @@ Packed unpack(const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& 
 // keep these operation sequences):
 //
 // Float path (float32 activations, float32 weights): w dequantized with one rounding,
-// fma(q, scale, min); per output one chain of 8-lane fmas over k ascending (lane j: k = j mod 8),
+// fma(q, scale, min) (float16 weights: widened, which is exact); per output one chain of 8-lane fmas over k ascending (lane j: k = j mod 8),
 // then hsum, then the K % 8 tail by scalar fmas, then + bias.
 // Integer path (8-bit activations, K a multiple of 32): per output and block of 32, the exact
 // integer dot products of its two halves with the 8-bit codes, and per half one chain over the
