@@ -225,20 +225,27 @@ class ModelRunner:
         sampled); without, any step whose rows fit (a draft model's catch-up chunks).
 
         Each layer writes every row's K/V before any row attends, so row j of a chunk sees the
-        rows before it as a decode sees its context: the decode CUDA graphs
-        then run it as they run decoding, instead of an eager forward of the whole model (on a
-        GPU, several times the cost of a replayed decode step). A target's prompt chunks keep
-        the module forward, whose numbers the plain engine's prompts have."""
-        if (self.graph_runner is None or step.all_rows or step.prompt_logprobs
-                or step.num_decodes == step.num_seqs or any(slot >= 0 for slot in step.lora_slots)):
+        rows before it as a decode sees its context: the decode CUDA graphs (on a CPU, the fused
+        C++ step) then run it as they run decoding, instead of the module forward of the whole
+        model (on a GPU several replayed decode steps' time, on a CPU four plain steps' for 9
+        rows). On a CPU the numbers are the module forward's (its kernels do not depend on the
+        batch or the chunk). A target's prompt chunks keep the module forward, whose numbers the
+        plain engine's prompts have on a GPU."""
+        if (step.all_rows or step.prompt_logprobs or step.num_decodes == step.num_seqs
+                or any(slot >= 0 for slot in step.lora_slots)):
             return None
         num_rows = len(step.input_ids)
         if verification and (not self.verifies_as_decodes or step.spec_groups is None
                              or len(set(step.sample_rows)) != num_rows):
             return None
-        # no more rows than a decode step of max_num_seqs sequences: the fused step's buffers
-        # (where the graphs stop) are sized for that many
-        if num_rows > self.graph_runner.max_batch:
+        if self.graph_runner is not None:
+            # no more rows than a decode step of max_num_seqs sequences: the GPU fused step's
+            # buffers (where the graphs stop) are sized for that many
+            if num_rows > self.graph_runner.max_batch:
+                return None
+        elif self.device.type != "cpu" or self.decode_step is None:
+            return None
+        elif self.decode_step.max_batch is not None and num_rows > self.decode_step.max_batch:
             return None
         tables: list[list[int]] = []
         seq_ids: list[int] = []

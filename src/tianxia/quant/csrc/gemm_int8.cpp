@@ -507,12 +507,25 @@ void product_of(const Packed& w, const Activations& a, const float* bias, float*
   }
 }
 
+// where a weight's quad scale table keeps its entries (counted in scales): per 32-value block of a
+// quad, 4 scales per group (two groups of 16, or one group), then as many mins where it has them;
+// one quad of padding past the last, since a two-quad step at the weight's end reads zeros there
+struct QuadTableLayout {
+  int64_t per_group, per_block, per_quad, entries;
+};
+
+QuadTableLayout quad_table_layout(const Packed& w) {
+  const int64_t per_group = w.group == 16 ? 8 : 4, per_block = per_group * (w.mins ? 2 : 1);
+  const int64_t per_quad = w.K / 32 * per_block;
+  return {per_group, per_block, per_quad, ((w.N + 3) / 4 + 1) * per_quad};
+}
+
 template <typename S>
 std::vector<uint8_t> scale_table_as(const Packed& w) {
-  const int64_t nb = w.K / 32, quads = (w.N + 3) / 4, G = w.group, per_group = G == 16 ? 8 : 4;
-  const int64_t per_block = per_group * (w.mins ? 2 : 1), per_quad = nb * per_block;
-  // one quad of padding past the last: a two-quad step at the weight's end reads zeros there
-  std::vector<uint8_t> bytes((quads + 1) * per_quad * sizeof(S), 0);
+  const int64_t nb = w.K / 32, quads = (w.N + 3) / 4, G = w.group;
+  const QuadTableLayout l = quad_table_layout(w);
+  const int64_t per_group = l.per_group, per_block = l.per_block, per_quad = l.per_quad;
+  std::vector<uint8_t> bytes(l.entries * sizeof(S), 0);
   S* table = reinterpret_cast<S*>(bytes.data());
   for (int64_t q = 0; q < quads; ++q)
     for (int64_t r = 0; r < 4 && 4 * q + r < w.N; ++r) {
@@ -535,8 +548,7 @@ std::vector<uint8_t> scale_table_as(const Packed& w) {
 #ifndef TIANXIA_VNNI  // (one definition, in the AVX2 build)
 size_t quad_scale_table_bytes(const Packed& w) {
   if (!int8_path(w)) return 0;
-  const int64_t per_block = (w.group == 16 ? 8 : 4) * (w.mins ? 2 : 1);
-  return ((w.N + 3) / 4 + 1) * (w.K / 32) * per_block * (w.half ? 2 : 4);
+  return quad_table_layout(w).entries * (w.half ? 2 : 4);
 }
 
 std::vector<uint8_t> quad_scale_table(const Packed& w) {
