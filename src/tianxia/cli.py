@@ -79,6 +79,8 @@ def _make_llm(args: argparse.Namespace):
         cpu_offload_gb=args.cpu_offload_gb,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         enable_lora=bool(_lora_sources(args)),
         max_lora_rank=_cli_max_lora_rank(_lora_sources(args)),
     )

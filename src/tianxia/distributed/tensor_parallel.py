@@ -25,6 +25,19 @@ steps, which hold no collectives, do not run here).
 
 A collective that waits longer than ``TIANXIA_TP_TIMEOUT`` seconds (default 60) raises, and a
 watchdog on rank 0 ends the process within a second of a worker dying, naming the rank.
+
+Several nodes (``--nnodes``, ``--node-rank``, as ``torchrun``): the ranks split evenly over the
+nodes, node 0 holding rank 0 and its own workers (pipes, as above). Node r > 0 runs
+:func:`serve_node`: it starts its ranks, which join torch.distributed's rendezvous at
+``--master-addr:--master-port`` (rank 0's TCP store). A pipe reaches only a local child, so the
+ranks of the other nodes receive the same messages by a ``broadcast_object_list`` from rank 0 over
+a second, gloo process group of rank 0 and those ranks (the control group); their answers (ready,
+errors) are keys in rank 0's store. The control group's timeout is years long, so an idle worker
+waits in its broadcast without timing out; liveness goes through the store instead: each remote
+rank adds to its heartbeat key every half second, and ends (code 1) when the store, which lives
+in rank 0's process, is gone; rank 0's watchdog ends the engine, naming the rank, when a remote
+rank's heartbeat stops for ``TIANXIA_TP_HEARTBEAT_TIMEOUT`` seconds (default 10) or its node
+reports it exited. The collectives inside the model keep their timeout.
 """
 
 from __future__ import annotations
@@ -57,10 +70,35 @@ from tianxia.loader import load_model as load_rank_model
 logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # a worker loads its shard (and on CUDA captures its graphs)
+# the control group's timeout: an idle remote worker waits in a broadcast for its next message as
+# long as the engine is idle; its liveness and rank 0's are the heartbeats' business (see above)
+_CONTROL_TIMEOUT = timedelta(days=3650)
+_BEAT_S = 0.5  # a remote rank's heartbeat period
 
 
 def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("TIANXIA_TP_TIMEOUT", "60")))
+
+
+def heartbeat_timeout() -> float:
+    return float(os.environ.get("TIANXIA_TP_HEARTBEAT_TIMEOUT", "10"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _key(kind: str, rank: int, n: int | None = None) -> str:
+    """A key of rank 0's store: a remote rank's ``beat`` counter, its ``reply`` number n, its
+    ``exit`` (written by its node's process)."""
+    return f"tianxia/tp/{kind}/{rank}" + ("" if n is None else f"/{n}")
+
+
+def _store_client(addr: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A connection of its own to rank 0's store (each thread that uses the store has one)."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def free_port(addr: str) -> int:
@@ -89,12 +127,19 @@ def cpu_shares(world_size: int) -> list[list[int]]:
     return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: ``cuda:r`` on a GPU machine (one node), the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: ``cuda:i`` for the node's i-th rank on a GPU machine, the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def _init_group(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+def remote_ranks(world_size: int, nnodes: int) -> list[int]:
+    """The ranks on nodes other than node 0 (node r holds ranks r*n .. r*n+n-1, n = world / nnodes)."""
+    return list(range(world_size // nnodes, world_size)) if nnodes > 1 else []
+
+
+def _init_group(rank: int, world_size: int, init_method: str, device: torch.device, nnodes: int = 1):
+    """Join the process group; with several nodes, also the control group (returned; every rank
+    makes it, members or not)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # device_id: the communicator is made now, not inside the first collective
@@ -103,6 +148,9 @@ def _init_group(rank: int, world_size: int, init_method: str, device: torch.devi
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=collective_timeout())
+    if nnodes == 1:
+        return None
+    return dist.new_group([0, *remote_ranks(world_size, nnodes)], timeout=_CONTROL_TIMEOUT, backend="gloo")
 
 
 def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.dtype,
@@ -164,29 +212,36 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         conn.send(("started", None))
-        _init_group(rank, world_size, init_method, device)
-        loaded = _load_shard(config, rank, world_size, dtype, device)
-        if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
-            from tianxia.layers.linear import use_row_invariant_linears
-
-            use_row_invariant_linears(loaded.model)
-        runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
-        if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
-            runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
-        if device.type == "cpu":
-            from tianxia.quant import cpu_kernels
-
-            cpu_kernels.extension()
+        _init_group(rank, world_size, init_method, device, config.nnodes)
+        loaded, runner = _prepare_worker(config, cache, rank, world_size, dtype, kv_dtype, device)
         conn.send(("ready", (runner.num_blocks, weight_bytes(loaded.model), peak_rss_bytes())))
     except Exception as e:  # rank 0 reports it and stops
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    _serve(loaded.model, runner, conn)
+    _serve(loaded.model, runner, conn, rank)
+
+
+def _prepare_worker(config: EngineConfig, cache: CacheConfig, rank: int, world_size: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype | str, device: torch.device) -> tuple[LoadedModel, ModelRunner]:
+    loaded = _load_shard(config, rank, world_size, dtype, device)
+    if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
+        from tianxia.layers.linear import use_row_invariant_linears
+
+        use_row_invariant_linears(loaded.model)
+    runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
+    if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
+        runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
+    if device.type == "cpu":
+        from tianxia.quant import cpu_kernels
+
+        cpu_kernels.extension()
+    return loaded, runner
 
 
 @torch.inference_mode()
-def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
-    """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
+def _serve(model: torch.nn.Module, runner: ModelRunner, conn, rank: int) -> None:
+    """Run whatever rank 0 runs, until it says stop or its end of the pipe closes (``conn``: a
+    pipe, or on another node a :class:`RankChannel`)."""
     device = runner.device
     step, batch = None, None
     while True:
@@ -222,8 +277,9 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 sys.exit(1)
             conn.send(("decode_ready", runner.graph_runner is not None))
-        elif kind == "lora_put":
-            runner.lora.put(msg[1], pickle.loads(msg[2]).to(device))
+        elif kind == "lora_put":  # a remote rank finds its shard among the others'
+            shard = msg[2][rank] if isinstance(msg[2], dict) else msg[2]
+            runner.lora.put(msg[1], pickle.loads(shard).to(device))
         elif kind == "lora_drop":
             runner.lora.drop(msg[1])
         elif kind == "stop":

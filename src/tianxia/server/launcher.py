@@ -390,6 +390,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         cpu_offload_gb=args.cpu_offload_gb,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         lora=lora_from_args(args),
     )
 
