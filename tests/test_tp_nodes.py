@@ -19,7 +19,7 @@ import pytest
 
 from tianxia import LLM, SamplingParams
 from tianxia.server.testing import ServerProcess, free_port
-from test_model_families import family_dirs, tiny_tokenizer_dir  # noqa: F401 (fixtures)
+from test_model_families import family_dirs, tiny_tokenizer_dir  # noqa: F401, F811 (fixtures)
 from test_tensor_parallel import LOGPROB_TOL, _assert_same, _generate
 
 
@@ -30,7 +30,7 @@ def _node1(model: str, port: int, env: dict | None = None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})}, start_new_session=True)
 
 
-def test_two_nodes_equal_tp1_then_node1_exits_cleanly(family_dirs):
+def test_two_nodes_equal_tp1_then_node1_exits_cleanly(family_dirs):  # noqa: F811
     model = str(family_dirs("llama"))
     one = _generate(model, 1)
     port = free_port()
@@ -46,7 +46,7 @@ def test_two_nodes_equal_tp1_then_node1_exits_cleanly(family_dirs):
             node1.kill()
 
 
-def test_node1_without_rank0_is_a_one_line_error(family_dirs):
+def test_node1_without_rank0_is_a_one_line_error(family_dirs):  # noqa: F811
     node1 = _node1(str(family_dirs("llama")), free_port(), env={"TIANXIA_TP_TIMEOUT": "3"})
     out, _ = node1.communicate(timeout=60)
     assert node1.returncode != 0
@@ -54,7 +54,7 @@ def test_node1_without_rank0_is_a_one_line_error(family_dirs):
     assert errors and "tensor-parallel rank 1" in errors[0] and "rendezvous" in errors[0], out
 
 
-def test_bad_flags_are_clear_errors(family_dirs, capsys):
+def test_bad_flags_are_clear_errors(family_dirs, capsys):  # noqa: F811
     model = str(family_dirs("llama"))
     with pytest.raises(ValueError, match="does not divide evenly over --nnodes 2"):
         LLM(model, tensor_parallel_size=3, nnodes=2, master_port=free_port())
@@ -69,7 +69,7 @@ def test_bad_flags_are_clear_errors(family_dirs, capsys):
     assert len(err) == 1 and err[0].startswith("error: --nnodes > 1 needs --master-port"), err
 
 
-def test_serve_two_nodes_matches_tp1_then_a_killed_node_ends_it(family_dirs):
+def test_serve_two_nodes_matches_tp1_then_a_killed_node_ends_it(family_dirs):  # noqa: F811
     model = str(family_dirs("llama"))
     prompt = "The quick brown fox"
     ref = LLM(model, kv_cache_memory="16MiB", max_model_len=256, cpu_activations="float32")
