@@ -80,6 +80,8 @@ def _make_llm(args: argparse.Namespace):
         n_gpu_layers=args.n_gpu_layers,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         enable_lora=bool(_lora_sources(args)),
         max_lora_rank=_cli_max_lora_rank(_lora_sources(args)),
     )
@@ -184,7 +186,20 @@ def _print_timings(n_prompt: int, n_gen: int, t_prompt: float, t_gen: float, spe
               f"in {speculator.num_drafts} verifications", file=sys.stderr)
 
 
+def _serve_node(args: argparse.Namespace, model: str) -> int:
+    """``--node-rank`` > 0: this node's tensor-parallel worker ranks only; rank 0 (node 0) sends
+    them its settings."""
+    from tianxia.config import EngineConfig
+    from tianxia.distributed.tensor_parallel import serve_node
+
+    return serve_node(EngineConfig(
+        model=model, device=args.device, threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr, master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:
+        return _serve_node(args, args.model)
     llm = _make_llm(args)
     prompt = args.prompt
     if args.file:
@@ -207,6 +222,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:
+        return _serve_node(args, args.model)
     llm = _make_llm(args)
     messages: list[dict[str, str]] = []
     if args.system_prompt:
@@ -239,6 +256,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tianxia.ray.local import run_local
 
         return run_local(args, args.argv, DEFAULT_MODEL)
+    if args.node_rank > 0:  # no engine, no HTTP server
+        return _serve_node(args, args.model_tag or (args.model[0] if args.model else DEFAULT_MODEL))
     from tianxia.server import run_server
 
     return run_server(args, DEFAULT_MODEL)

@@ -217,11 +217,14 @@ class EngineConfig:
     # by default
     batch_invariant: bool = False
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
-    # tensor parallelism (CPU: gloo; CUDA: NCCL, rank r on cuda:r): ranks 1..N-1 are worker
-    # processes; their rendezvous address
+    # tensor parallelism (CPU: gloo; CUDA: NCCL, rank r on its node's cuda:r): ranks 1..N-1 are
+    # worker processes, split evenly over ``nnodes`` nodes (node 0 holds rank 0, the engine);
+    # their rendezvous address
     tensor_parallel_size: int = 1
     master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port
+    master_port: int | None = None  # None: a free port (one node only)
+    nnodes: int = 1
+    node_rank: int = 0  # > 0: a node of worker ranks only (tensor_parallel.serve_node)
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
     # CUDA: GiB of decoder-layer weights kept in host memory and streamed to the GPU per forward
     cpu_offload_gb: float = 0.0
@@ -248,6 +251,17 @@ class EngineConfig:
                              "(each rank's cache would need its own calibration)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1; got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1; got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}); "
+                             f"got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not divide evenly over "
+                             f"--nnodes {self.nnodes} (each node runs tensor-parallel-size / nnodes ranks)")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (the same on every node, as --master-addr: "
+                             "rank 0's address)")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"--cpu-offload-gb must be at least 0; got {self.cpu_offload_gb}")
         if self.cpu_offload_gb and self.tensor_parallel_size > 1:
@@ -353,9 +367,15 @@ def add_parallel_args(parser) -> None:
     """``--tensor-parallel-size`` / ``-tp`` and the rendezvous of its ranks."""
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over N ranks (processes; torch.distributed: gloo on CPU, NCCL on N GPUs)")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="address of rank 0's rendezvous")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="address of rank 0's rendezvous (node 0's address, reachable from every node)")
     parser.add_argument("--master-port", type=int, default=None,
-                        help="port of rank 0's rendezvous (default: a free one)")
+                        help="port of rank 0's rendezvous (default: a free one; needed with --nnodes > 1)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes the tensor-parallel ranks are split over, evenly (default: 1)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this node's index: 0 runs the engine (and the server), others only "
+                             "their worker ranks (default: 0)")
 
 
 def add_kv_cache_args(parser) -> None:

@@ -55,6 +55,8 @@ class LLM:
         n_gpu_layers: int | None = None,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -78,6 +80,8 @@ class LLM:
             n_gpu_layers=n_gpu_layers,
             master_addr=master_addr,
             master_port=master_port,
+            nnodes=nnodes,
+            node_rank=node_rank,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             cache=CacheConfig(
                 block_size=block_size,

@@ -25,6 +25,19 @@ steps, which hold no collectives, do not run here).
 
 A collective that waits longer than ``TIANXIA_TP_TIMEOUT`` seconds (default 60) raises, and a
 watchdog on rank 0 ends the process within a second of a worker dying, naming the rank.
+
+Several nodes (``--nnodes``, ``--node-rank``, as ``torchrun``): the ranks split evenly over the
+nodes, node 0 holding rank 0 and its own workers (pipes, as above). Node r > 0 runs
+:func:`serve_node`: it starts its ranks, which join torch.distributed's rendezvous at
+``--master-addr:--master-port`` (rank 0's TCP store). A pipe reaches only a local child, so the
+ranks of the other nodes receive the same messages by a ``broadcast_object_list`` from rank 0 over
+a second, gloo process group of rank 0 and those ranks (the control group); their answers (ready,
+errors) are keys in rank 0's store. The control group's timeout is years long, so an idle worker
+waits in its broadcast without timing out; liveness goes through the store instead: each remote
+rank adds to its heartbeat key every half second, and ends (code 1) when the store, which lives
+in rank 0's process, is gone; rank 0's watchdog ends the engine, naming the rank, when a remote
+rank's heartbeat stops for ``TIANXIA_TP_HEARTBEAT_TIMEOUT`` seconds (default 10) or its node
+reports it exited. The collectives inside the model keep their timeout.
 """
 
 from __future__ import annotations
@@ -57,10 +70,35 @@ from tianxia.loader import load_model as load_rank_model
 logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # a worker loads its shard (and on CUDA captures its graphs)
+# the control group's timeout: an idle remote worker waits in a broadcast for its next message as
+# long as the engine is idle; its liveness and rank 0's are the heartbeats' business (see above)
+_CONTROL_TIMEOUT = timedelta(days=3650)
+_BEAT_S = 0.5  # a remote rank's heartbeat period
 
 
 def collective_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("TIANXIA_TP_TIMEOUT", "60")))
+
+
+def heartbeat_timeout() -> float:
+    return float(os.environ.get("TIANXIA_TP_HEARTBEAT_TIMEOUT", "10"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _key(kind: str, rank: int, n: int | None = None) -> str:
+    """A key of rank 0's store: a remote rank's ``beat`` counter, its ``reply`` number n, its
+    ``exit`` (written by its node's process)."""
+    return f"tianxia/tp/{kind}/{rank}" + ("" if n is None else f"/{n}")
+
+
+def _store_client(addr: str, port: int, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A connection of its own to rank 0's store (each thread that uses the store has one)."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def free_port(addr: str) -> int:
@@ -89,12 +127,19 @@ def cpu_shares(world_size: int) -> list[list[int]]:
     return [cpus[r * per : (r + 1) * per] for r in range(world_size)]
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r's device: ``cuda:r`` on a GPU machine (one node), the CPU otherwise."""
-    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A rank's device: ``cuda:i`` for the node's i-th rank on a GPU machine, the CPU otherwise."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
 
 
-def _init_group(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+def remote_ranks(world_size: int, nnodes: int) -> list[int]:
+    """The ranks on nodes other than node 0 (node r holds ranks r*n .. r*n+n-1, n = world / nnodes)."""
+    return list(range(world_size // nnodes, world_size)) if nnodes > 1 else []
+
+
+def _init_group(rank: int, world_size: int, init_method: str, device: torch.device, nnodes: int = 1):
+    """Join the process group; with several nodes, also the control group (returned; every rank
+    makes it, members or not)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # device_id: the communicator is made now, not inside the first collective
@@ -103,6 +148,9 @@ def _init_group(rank: int, world_size: int, init_method: str, device: torch.devi
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=collective_timeout())
+    if nnodes == 1:
+        return None
+    return dist.new_group([0, *remote_ranks(world_size, nnodes)], timeout=_CONTROL_TIMEOUT, backend="gloo")
 
 
 def _load_shard(config: EngineConfig, rank: int, world_size: int, dtype: torch.dtype,
@@ -164,29 +212,36 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         conn.send(("started", None))
-        _init_group(rank, world_size, init_method, device)
-        loaded = _load_shard(config, rank, world_size, dtype, device)
-        if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
-            from tianxia.layers.linear import use_row_invariant_linears
-
-            use_row_invariant_linears(loaded.model)
-        runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
-        if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
-            runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
-        if device.type == "cpu":
-            from tianxia.quant import cpu_kernels
-
-            cpu_kernels.extension()
+        _init_group(rank, world_size, init_method, device, config.nnodes)
+        loaded, runner = _prepare_worker(config, cache, rank, world_size, dtype, kv_dtype, device)
         conn.send(("ready", (runner.num_blocks, weight_bytes(loaded.model), peak_rss_bytes())))
     except Exception as e:  # rank 0 reports it and stops
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    _serve(loaded.model, runner, conn)
+    _serve(loaded.model, runner, conn, rank)
+
+
+def _prepare_worker(config: EngineConfig, cache: CacheConfig, rank: int, world_size: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype | str, device: torch.device) -> tuple[LoadedModel, ModelRunner]:
+    loaded = _load_shard(config, rank, world_size, dtype, device)
+    if device.type == "cpu":  # as rank 0's engine does: a row's products do not depend on its batch
+        from tianxia.layers.linear import use_row_invariant_linears
+
+        use_row_invariant_linears(loaded.model)
+    runner = ModelRunner(loaded.model, loaded.config, cache, device, kv_dtype)
+    if config.lora is not None:  # rank 0 sends each adapter's shard (lora_put)
+        runner.lora = LoRAState(loaded.model, loaded.model.lora_targets())
+    if device.type == "cpu":
+        from tianxia.quant import cpu_kernels
+
+        cpu_kernels.extension()
+    return loaded, runner
 
 
 @torch.inference_mode()
-def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> None:
-    """Run whatever rank 0 runs, until it says stop or its end of the pipe closes."""
+def _serve(model: torch.nn.Module, runner: ModelRunner, conn, rank: int) -> None:
+    """Run whatever rank 0 runs, until it says stop or its end of the pipe closes (``conn``: a
+    pipe, or on another node a :class:`RankChannel`)."""
     device = runner.device
     step, batch = None, None
     while True:
@@ -221,8 +276,9 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
                 conn.send(("error", f"{type(e).__name__}: {e}"))
                 sys.exit(1)
             conn.send(("decode_ready", runner.graph_runner is not None))
-        elif kind == "lora_put":
-            runner.lora.put(msg[1], pickle.loads(msg[2]).to(device))
+        elif kind == "lora_put":  # a remote rank finds its shard among the others'
+            shard = msg[2][rank] if isinstance(msg[2], dict) else msg[2]
+            runner.lora.put(msg[1], pickle.loads(shard).to(device))
         elif kind == "lora_drop":
             runner.lora.drop(msg[1])
         elif kind == "stop":
@@ -232,15 +288,23 @@ def _serve(model: torch.nn.Module, runner: ModelRunner, conn: Connection) -> Non
 class WorkerGroup:
     """Ranks 1..N-1: their processes and pipes, and the watchdog that stops rank 0 when one dies."""
 
-    def __init__(self, procs: list, conns: list[Connection]) -> None:
-        self.procs, self.conns = procs, conns
+    def __init__(self, procs: list, conns: list[Connection], remote: RemoteRanks | None = None) -> None:
+        self.procs, self.conns, self.remote = procs, conns, remote
         self.ready: list[tuple[int, int, int]] = []  # each worker's KV blocks, weight bytes, peak RSS
         self._closing = threading.Event()
-        self._finalizer = weakref.finalize(self, _stop_workers, procs, conns, self._closing)
+        self._finalizer = weakref.finalize(self, _stop_workers, procs, conns, self._closing, remote)
+
+    def attach_remote(self, remote: RemoteRanks) -> None:
+        """The ranks of the other nodes, once the process group holds them."""
+        self._finalizer.detach()
+        self.remote = remote
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._closing, remote)
 
     def send(self, msg: tuple) -> None:
         for conn in self.conns:
             conn.send(msg)
+        if self.remote is not None:
+            self.remote.send(msg)
 
     def wait_for(self, expected: str, timeout_s: float) -> list:
         """Each worker's next message, which must be ``expected``; a worker that dies first, or
@@ -262,18 +326,37 @@ class WorkerGroup:
                 raise ValueError(f"tensor-parallel rank {rank}: {value}")
             assert kind == expected, (kind, expected)
             values.append(value)
+        if self.remote is not None and expected != "started":
+            for rank in self.remote.ranks:
+                try:
+                    kind, value = self.remote.reply(rank, deadline)
+                except RuntimeError:
+                    self.close()
+                    raise
+                if kind == "error":
+                    self.close()
+                    raise ValueError(f"tensor-parallel rank {rank}: {value}")
+                assert kind == expected, (kind, expected)
+                values.append(value)
         return values
 
     def wait_ready(self, num_blocks: int) -> None:
         """Wait for every worker's shard and KV cache; keeps each one's weight bytes and peak
         resident memory (``self.ready``)."""
-        self.ready = self.wait_for("ready", _READY_TIMEOUT_S)
-        for rank, ((blocks, weights, rss), proc) in enumerate(zip(self.ready, self.procs), start=1):
+        ready = self.wait_for("ready", _READY_TIMEOUT_S)
+        ranks = list(range(1, len(self.procs) + 1)) + (self.remote.ranks if self.remote else [])
+        self.ready = [r[:3] for r in ready]
+        for rank, (blocks, weights, rss, *where) in zip(ranks, ready):
             if blocks != num_blocks:
                 self.close()
                 raise RuntimeError(f"tensor-parallel rank {rank} has {blocks} KV blocks, rank 0 {num_blocks}")
-            logger.info("tensor parallel: rank %d ready (pid %d); weights %.1f MiB, peak resident memory "
-                        "%.1f MiB", rank, proc.pid, weights / 2**20, rss / 2**20)
+            if where:  # a remote rank: its pid and host
+                self.remote.where[rank] = f"pid {where[0]} on {where[1]}"
+                logger.info("tensor parallel: rank %d ready (host %s, pid %d); weights %.1f MiB, peak resident "
+                            "memory %.1f MiB", rank, where[1], where[0], weights / 2**20, rss / 2**20)
+            else:
+                logger.info("tensor parallel: rank %d ready (pid %d); weights %.1f MiB, peak resident memory "
+                            "%.1f MiB", rank, self.procs[rank - 1].pid, weights / 2**20, rss / 2**20)
 
     def describe(self) -> str:
         """Each worker's state, for an error: running, stopped (a signal), or exited."""
@@ -290,19 +373,35 @@ class WorkerGroup:
                 except OSError:
                     pass
             states.append(f"rank {rank} (pid {proc.pid}) {state}")
+        if self.remote is not None:  # a collective failed: wait for the heartbeats to say which rank
+            dead = dict(self.remote.find_dead(heartbeat_timeout() + 1))
+            states += [f"rank {r} ({self.remote.where.get(r, 'remote')}) {dead.get(r, 'running')}"
+                       for r in self.remote.ranks]
         return ", ".join(states)
 
     def start_watchdog(self) -> None:
         # the thread holds the processes, not the group, so a dropped engine still finalizes it
-        threading.Thread(target=_watch, args=(self.procs, self.conns, self._closing),
+        threading.Thread(target=_watch, args=(self.procs, self.conns, self._closing, self.remote),
                          name="tp-watchdog", daemon=True).start()
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _watch(procs: list, conns: list[Connection], closing: threading.Event) -> None:
+def _watch(procs: list, conns: list[Connection], closing: threading.Event, remote: RemoteRanks | None) -> None:
+    beats = _Beats(remote.ranks, remote.client()) if remote is not None else None
     while not closing.wait(0.2):
+        for rank, reason in beats.dead() if beats is not None else []:
+            if closing.is_set():
+                break
+            msg = (f"error: tensor-parallel rank {rank} ({remote.where.get(rank, 'remote')}) {reason}; "
+                   "the engine stops")
+            logger.error(msg)
+            print(msg, file=sys.stderr, flush=True)
+            # not the remote ranks' stop broadcast: the engine's thread may be in one; they end
+            # when rank 0's store goes
+            _stop_workers(procs, conns, closing, None)
+            os._exit(1)
         for rank, proc in enumerate(procs, start=1):
             if proc.is_alive() or closing.is_set():
                 continue
@@ -310,17 +409,21 @@ def _watch(procs: list, conns: list[Connection], closing: threading.Event) -> No
                    f"{proc.exitcode}; the engine stops")
             logger.error(msg)
             print(msg, file=sys.stderr, flush=True)
-            _stop_workers(procs, conns, closing)
+            _stop_workers(procs, conns, closing, None)
             os._exit(1)
 
 
-def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event) -> None:
+def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event,
+                  remote: RemoteRanks | None) -> None:
+    first = not closing.is_set()
     closing.set()
     for conn in conns:
         try:
             conn.send(("stop",))
         except (OSError, ValueError):
             pass
+    if remote is not None and first:
+        remote.stop()
     for proc in procs:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -328,6 +431,214 @@ def _stop_workers(procs: list, conns: list[Connection], closing: threading.Event
             proc.join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class _Beats:
+    """Which remote ranks are gone: their node reported an exit, or their heartbeat counter has
+    not moved for ``heartbeat_timeout()`` seconds (of this clock: the nodes' clocks may differ)."""
+
+    def __init__(self, ranks: list[int], store: dist.TCPStore) -> None:
+        self.ranks, self.store = ranks, store
+        now = time.monotonic()
+        self.seen = {r: (-1, now) for r in ranks}
+
+    def dead(self) -> list[tuple[int, str]]:
+        out, now = [], time.monotonic()
+        for rank in self.ranks:
+            if self.store.check([_key("exit", rank)]):
+                out.append((rank, self.store.get(_key("exit", rank)).decode()))
+                continue
+            count = self.store.add(_key("beat", rank), 0)
+            last, since = self.seen[rank]
+            if count != last:
+                self.seen[rank] = (count, now)
+            elif now - since > heartbeat_timeout():
+                out.append((rank, f"sent no heartbeat for {now - since:.0f}s"))
+        return out
+
+
+class RemoteRanks:
+    """Rank 0's view of the ranks on the other nodes: messages go by a broadcast over the control
+    group; answers, heartbeats and exits are keys in rank 0's store."""
+
+    def __init__(self, ranks: list[int], group, addr: str, port: int) -> None:
+        self.ranks, self.group, self.addr, self.port = ranks, group, addr, port
+        self.store = self.client()
+        self.where: dict[int, str] = {}  # rank: "pid P on HOST", once ready
+        self._n = dict.fromkeys(ranks, 0)
+
+    def client(self) -> dist.TCPStore:
+        return _store_client(self.addr, self.port)
+
+    def send(self, msg: tuple) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def reply(self, rank: int, deadline: float) -> tuple:
+        key = _key("reply", rank, self._n[rank])
+        beats = _Beats([rank], self.store)
+        while not self.store.check([key]):
+            for _, reason in beats.dead():
+                raise RuntimeError(f"tensor-parallel rank {rank} {reason} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel rank {rank} did not answer in time")
+            time.sleep(0.1)
+        self._n[rank] += 1
+        msg = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return msg
+
+    def find_dead(self, wait_s: float) -> list[tuple[int, str]]:
+        beats, deadline = _Beats(self.ranks, self.client()), time.monotonic() + wait_s
+        while True:
+            dead = beats.dead()
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Tell the remote ranks to stop and wait (a few seconds) for them to say so."""
+        try:
+            self.send(("stop",))
+        except Exception:
+            return
+        deadline = time.monotonic() + 5
+        for rank in self.ranks:
+            try:
+                while not self.store.check([_key("reply", rank, self._n[rank])]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except Exception:
+                return
+
+
+class RankChannel:
+    """A remote rank's end of rank 0's messages: what rank 0 sends arrives by a broadcast over the
+    control group; its answers go into rank 0's store."""
+
+    def __init__(self, rank: int, group, store: dist.TCPStore) -> None:
+        self.rank, self.group, self.store, self._n = rank, group, store, 0
+        self.stopping = threading.Event()
+
+    def recv(self) -> tuple:
+        obj = [None]
+        dist.broadcast_object_list(obj, src=0, group=self.group)
+        if obj[0][0] == "stop":
+            self.stopping.set()
+        return obj[0]
+
+    def send(self, msg: tuple) -> None:
+        self.store.set(_key("reply", self.rank, self._n), pickle.dumps(msg))
+        self._n += 1
+
+
+def _die(rank: int, why: str) -> None:
+    print(f"error: tensor-parallel rank {rank}: {why}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _heartbeat(rank: int, addr: str, port: int, stopping: threading.Event, parent: int) -> None:
+    try:
+        store = _store_client(addr, port, 5)
+        while True:
+            try:
+                store.add(_key("beat", rank), 1)
+            except Exception as e:
+                if stopping.wait(2.0):
+                    return
+                _die(rank, f"rank 0's store at {addr}:{port} is gone ({_first_line(e)}): rank 0 has ended")
+            if os.getppid() != parent:
+                _die(rank, "its node's process is gone")
+            if stopping.wait(_BEAT_S):
+                return
+    except Exception as e:
+        _die(rank, f"heartbeat failed: {_first_line(e)}")
+
+
+def _node_worker_main(rank: int, world: int, nnodes: int, addr: str, port: int, model: str, device_type: str,
+                      cpus: list[int], threads: int, log_level: int, parent: int) -> None:
+    """A rank on a node other than node 0: join, take rank 0's settings, load, serve."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s tp rank {rank} %(levelname)s %(name)s: %(message)s")
+    device = rank_device(torch.device(device_type), rank % (world // nnodes))
+    try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+        try:
+            group = _init_group(rank, world, f"tcp://{addr}:{port}", device, nnodes)
+        except Exception as e:
+            _die(rank, f"the rendezvous at {addr}:{port} did not complete in {collective_timeout().total_seconds():.0f}s "
+                       f"(TIANXIA_TP_TIMEOUT): is node 0 running? ({_first_line(e)})")
+        channel = RankChannel(rank, group, _store_client(addr, port))
+        threading.Thread(target=_heartbeat, args=(rank, addr, port, channel.stopping, parent),
+                         name="tp-heartbeat", daemon=True).start()
+        kind, setup = channel.recv()
+        assert kind == "setup", kind
+        try:
+            if setup["device"] != device.type:
+                raise ValueError(f"rank 0 runs on {setup['device']}, this node on {device.type}")
+            config = replace(setup["config"], model=model, node_rank=rank // (world // nnodes))
+            loaded, runner = _prepare_worker(config, setup["cache"], rank, world, setup["dtype"],
+                                             setup["kv_dtype"], device)
+        except Exception as e:
+            channel.send(("error", f"{type(e).__name__}: {e}"))
+            _die(rank, f"{type(e).__name__}: {e}")
+        channel.send(("ready", (runner.num_blocks, weight_bytes(loaded.model), peak_rss_bytes(), os.getpid(),
+                                socket.gethostname())))
+        _serve(loaded.model, runner, channel, rank)
+    except Exception as e:
+        if not channel.stopping.is_set():
+            _die(rank, f"rank 0 is gone or out of step ({_first_line(e)})")
+    channel.send(("stopped", None))
+    os._exit(0)
+
+
+def serve_node(config: EngineConfig) -> int:
+    """Node ``config.node_rank`` > 0: start its ranks, which serve rank 0's steps until it stops
+    them (0), or until one fails (1; it names itself). No engine, no server."""
+    from tianxia.engine.llm_engine import default_threads, resolve_device
+
+    world, nnodes, node = config.tensor_parallel_size, config.nnodes, config.node_rank
+    per = world // nnodes
+    device = resolve_device(config.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--tensor-parallel-size runs on CPU (gloo) or CUDA GPUs (NCCL), not {device.type}")
+    if device.type == "cuda" and torch.cuda.device_count() < per:
+        raise ValueError(f"node {node} runs {per} ranks on {per} GPUs; this machine has {torch.cuda.device_count()}")
+    check_supported(load_model_config(config.model), world)
+    shares = cpu_shares(per) if device.type == "cpu" else [[] for _ in range(per)]
+    threads = max(1, (config.threads or default_threads()) // per)
+    ctx = mp.get_context("spawn")
+    procs = {}
+    for i, rank in enumerate(range(node * per, (node + 1) * per)):
+        procs[rank] = ctx.Process(
+            target=_node_worker_main, name=f"tianxia-tp-rank{rank}", daemon=True,
+            args=(rank, world, nnodes, config.master_addr, config.master_port, config.model, device.type,
+                  shares[i], threads, logging.getLogger().level, os.getpid()))
+        procs[rank].start()
+    logger.info("node %d: tensor-parallel ranks %s joining tcp://%s:%d", node, list(procs),
+                config.master_addr, config.master_port)
+    try:
+        while True:
+            for rank, proc in procs.items():
+                if proc.exitcode not in (None, 0):
+                    if proc.exitcode < 0:  # a signal: tell rank 0 which rank it was
+                        why = f"(pid {proc.pid} on {socket.gethostname()}) exited with code {proc.exitcode}"
+                        print(f"error: tensor-parallel rank {rank} {why}", file=sys.stderr, flush=True)
+                        try:
+                            _store_client(config.master_addr, config.master_port, 2).set(
+                                _key("exit", rank), f"exited with code {proc.exitcode}")
+                        except Exception:
+                            pass
+                    for other in procs.values():
+                        if other.is_alive():
+                            other.kill()
+                    return 1
+            if all(proc.exitcode == 0 for proc in procs.values()):
+                return 0
+            time.sleep(0.2)
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
 
 
 # --- rank 0 -----------------------------------------------------------------------------------------
@@ -345,6 +656,10 @@ class TensorParallelLoRAState(LoRAState):
 
     def put(self, slot: int, adapter: LoRAAdapter) -> None:
         host = adapter.to(torch.device("cpu"))  # a CUDA tensor would cross as a handle to cuda:0
+        remote = self.workers.remote
+        if remote is not None:
+            remote.send(("lora_put", slot, {r: pickle.dumps(self.shards[r].shard_adapter(host))
+                                            for r in remote.ranks}))
         for shard, conn in zip(self.shards[1:], self.workers.conns):
             # by value: a tensor sent as it is crosses through shared memory, which keeps a file
             # descriptor open on both sides per tensor for as long as the adapter lives
@@ -484,9 +799,12 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     Workers load while rank 0 does; the engine waits for them in :func:`wait_for_workers`.
     """
     world = config.tensor_parallel_size
+    per = world // config.nnodes  # ranks on this node
+    if config.node_rank != 0:
+        raise ValueError("--node-rank > 0 runs worker ranks only, no engine (tensor_parallel.serve_node)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--tensor-parallel-size runs on CPU (gloo) or CUDA GPUs (NCCL), not {device.type}")
-    if device.type == "cuda" and torch.cuda.device_count() < world:
+    if device.type == "cuda" and torch.cuda.device_count() < per:
         raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs; this machine has "
                          f"{torch.cuda.device_count()}")
     if device.type == "cuda" and config.cache.gpu_memory_utilization is not None:
@@ -502,17 +820,17 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
         check_port(addr, port)
     init_method = f"tcp://{addr}:{port}"
     # CPU ranks split the cores; GPU ranks keep them all (they mostly launch kernels)
-    shares = cpu_shares(world) if device.type == "cpu" else [[] for _ in range(world)]
+    shares = cpu_shares(per) if device.type == "cpu" else [[] for _ in range(per)]
     # every rank's cache has the same blocks, sized by rank 0's, which holds the most KV heads
     per_block = kv_bytes_per_token(rank_config(full, 0, world), kv_dtype) * config.cache.block_size
     cache = replace(config.cache, num_blocks=config.cache.num_blocks
                     or max(1, config.cache.kv_cache_memory // per_block))
     from tianxia.engine.llm_engine import default_threads
 
-    threads = max(1, (config.threads or default_threads()) // world)
+    threads = max(1, (config.threads or default_threads()) // per)
     ctx = mp.get_context("spawn")
     procs, conns = [], []
-    for rank in range(1, world):
+    for rank in range(1, per):
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=_worker_main, name=f"tianxia-tp-rank{rank}", daemon=True,
@@ -527,7 +845,17 @@ def load_model(config: EngineConfig, dtype: torch.dtype, device: torch.device,
     workers.wait_for("started", _READY_TIMEOUT_S)
     torch.set_num_threads(threads)
     device = rank_device(device, 0)
-    _init_group(0, world, init_method, device)
+    try:
+        group = _init_group(0, world, init_method, device, config.nnodes)
+    except Exception as e:
+        workers.close()
+        raise RuntimeError(f"tensor parallel: the rendezvous at {init_method} did not complete in "
+                           f"{collective_timeout().total_seconds():.0f}s (TIANXIA_TP_TIMEOUT): are the other "
+                           f"nodes (--node-rank 1..{config.nnodes - 1}) running? ({_first_line(e)})") from None
+    if config.nnodes > 1:
+        workers.attach_remote(RemoteRanks(remote_ranks(world, config.nnodes), group, addr, port))
+        workers.remote.send(("setup", dict(config=config, cache=cache, dtype=dtype, kv_dtype=kv_dtype,
+                                           device=device.type)))
     loaded = _load_shard(config, 0, world, dtype, device)
     logger.info("tensor parallel: %d ranks (%s) on %s, %d threads each; rank 0 holds %d of %d KV heads; "
                 "weights %.1f MiB", world, dist.get_backend(), init_method, threads,
@@ -543,4 +871,4 @@ def wait_for_workers(runner: ModelRunner) -> None:
     workers.start_watchdog()
 
 
-__all__ = ["TensorParallelModel", "TensorParallelRunner", "load_model", "wait_for_workers"]
+__all__ = ["TensorParallelModel", "TensorParallelRunner", "load_model", "serve_node", "wait_for_workers"]

@@ -391,6 +391,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         n_gpu_layers=args.n_gpu_layers,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         lora=lora_from_args(args),
     )
 
