@@ -810,5 +810,12 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def decode_route(runner) -> str:
+    """How the runner's decode steps run, in words."""
+    if runner.graph_runner is not None:
+        return "graph of the fused step" if runner.decode_step is not None else "graph of the module forward"
+    return "fused step, no graph" if runner.decode_step is not None else "eager"
+
+
 if __name__ == "__main__":
     sys.exit(main())

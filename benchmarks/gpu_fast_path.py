@@ -139,9 +139,7 @@ def section_families(args):
             gb.engine_generate(engine, [prompt[:16]], [4])  # warm-up
             ms, graph_ms = timed_decode(engine, prompt, args.decode_tokens)
             runner = engine.runner
-            route = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
-                     else "graph of the module forward" if runner.graph_runner is not None
-                     else "fused step, no graph" if runner.decode_step is not None else "eager")
+            route = gb.decode_route(runner)
             gr = runner.graph_runner
             res[name] = dict(ms_per_token=ms, graph_ms=graph_ms, route=route, startup_s=startup,
                              weight_gb=nbytes / 1e9, routes=dict(runner.route_counts),

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def main() -> int:
     from gpu_build_startup import make_model_dir
+    from gpu_bench import decode_route
     from gpu_offload import decode_ms
 
     from tianxia import LLM
@@ -57,8 +58,7 @@ def main() -> int:
                       max_num_batched_tokens=512, gpu_memory_utilization=0.5, n_gpu_layers=n)
             runner = llm.engine.runner
             weights = sum(t.numel() * t.element_size() for t in runner.model.parameters() if t.is_cuda)
-            route = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
-                     else "graph of the module forward" if runner.graph_runner is not None else "eager")
+            route = decode_route(runner)
             # twice: the host's share of a step is large here, and a lent host's speed drifts
             ms, tokens = min(decode_ms(llm, prompt, n_tokens), decode_ms(llm, prompt, n_tokens))
             ref = ref or tokens

@@ -140,8 +140,7 @@ def main() -> int:
     for r in loras:
         llm.engine.add_lora(r.lora_name, r.lora_path)
     runner = llm.engine.runner
-    res["route"] = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
-                    else "graph of the module forward" if runner.graph_runner is not None else "eager")
+    res["route"] = fp.gb.decode_route(runner)
     run(llm, prompts, [8] * len(prompts), loras)
     cases = (("base", base_llm, [None]), ("base, LoRA on", llm, [None]), ("1 adapter", llm, loras[:1]),
              ("4 adapters", llm, loras))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench import decode_route  # noqa: E402  (the shared helpers)
 
 
 def h2d_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -86,8 +87,7 @@ def main() -> int:
                       gpu_memory_utilization=0.5, cpu_offload_gb=gb)
             runner = llm.engine.runner
             weights = sum(t.numel() * t.element_size() for t in runner.model.parameters() if t.is_cuda)
-            route = ("graph of the fused step" if runner.graph_runner is not None and runner.decode_step is not None
-                     else "graph of the module forward" if runner.graph_runner is not None else "eager")
+            route = decode_route(runner)
             ms, tokens = decode_ms(llm, prompt, args.tokens)
             offloaded = sum(t.numel() * t.element_size() for t in runner.model.parameters() if t.device.type == "cpu")
             same = None if ref is None else tokens == ref

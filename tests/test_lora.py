@@ -130,19 +130,7 @@ def test_fused_decode_step_adds_the_same_deltas_as_the_module_path(tiny_llm, tin
     loras = [None, *(LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items()))]
     prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS)]
 
-    def run() -> list:
-        outs = tiny_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-                for o in outs]
-
-    fused_before = runner.route_counts["fused"]
-    fused = run()
-    assert runner.route_counts["fused"] >= fused_before + NEW_TOKENS - 1
-    runner.fused_lora = False
-    try:
-        assert run() == fused
-    finally:
-        runner.fused_lora = True
+    routes_agree(tiny_llm, prompts, params, loras)
 
 
 def test_packed_model_holds_float16_adapters_and_both_routes_agree(smollm2_path, smollm2_reference, tmp_path):
@@ -163,19 +151,7 @@ def test_packed_model_holds_float16_adapters_and_both_routes_agree(smollm2_path,
              LoRARequest("all", 1, str(adapters["all"]))]
     prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS)]
 
-    def run() -> list:
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
-                for o in outs]
-
-    fused_before = runner.route_counts["fused"]
-    fused = run()
-    assert runner.route_counts["fused"] >= fused_before + NEW_TOKENS - 1
-    runner.fused_lora = False
-    try:
-        assert run() == fused
-    finally:
-        runner.fused_lora = True
+    fused = routes_agree(llm, prompts, params, loras)
     assert fused[1] != fused[0] and fused[2] != fused[0]  # the adapters change the outputs
 
     manager = llm.engine.lora_manager
@@ -413,3 +389,24 @@ def test_lora_modules_flag_forms():
     for bad in ("no-equals", "=path", '{"name": "b"}', "{not json"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules([bad])
+
+
+def routes_agree(llm: LLM, prompts: list[str], params: SamplingParams, loras: list) -> list:
+    """Generate through the fused decode step, then through the module forward's hooks; the two
+    must give the same tokens and logprobs. Returns the outputs."""
+    runner = llm.engine.runner
+
+    def run() -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused_before = runner.route_counts["fused"]
+    fused = run()
+    assert runner.route_counts["fused"] >= fused_before + NEW_TOKENS - 1
+    runner.fused_lora = False
+    try:
+        assert run() == fused
+    finally:
+        runner.fused_lora = True
+    return fused
