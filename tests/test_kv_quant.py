@@ -184,6 +184,27 @@ def test_capacity_at_the_same_memory(smollm2_llm, smollm2_q8, smollm2_q4):
     assert s4["kv_cache_capacity_tokens"] >= 1.85 * s8["kv_cache_capacity_tokens"]
 
 
+def test_server_reports_bytes_per_token_and_capacity(smollm2_path, smollm2_llm):
+    """``tianxia serve -ctk q8_0 -ctv q8_0``: ``/metrics`` gives the cache's bytes per token (a
+    Q8_0 row: 34 bytes per 32 values) and its token capacity at the given memory, and it serves."""
+    import httpx
+
+    from tianxia.engine.model_runner import kv_bytes_per_token
+    from tianxia.server.testing import ServerProcess, metric
+
+    f32 = kv_bytes_per_token(smollm2_llm.engine.model_config, torch.float32)
+    with ServerProcess([str(smollm2_path), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
+                        "--max-model-len", "256", "-ctk", "q8_0", "-ctv", "q8_0"]) as srv:
+        body = {"model": "m", "prompt": "The cat", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+    per_token = metric(text, "tianxia:kv_cache_bytes_per_token", model_name="m")
+    capacity = metric(text, "tianxia:kv_cache_capacity_tokens", model_name="m")
+    assert per_token * 128 == f32 * KV_BLOCK_BYTES["q8_0"]
+    blocks = 32 * 2**20 // (int(per_token) * 16)
+    assert blocks * 16 - 16 <= capacity <= blocks * 16
+
+
 @pytest.mark.parametrize("args, message", [
     (["-ctk", "q5_9"], "error: -ctk must be one of f32, f16, bf16, q8_0, q4_0; got 'q5_9'"),
     (["-ctk", "q8_0", "-ctv", "q4_0"], "error: -ctk q8_0 and -ctv q4_0 differ"),
