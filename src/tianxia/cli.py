@@ -190,7 +190,7 @@ def _serve_node(args: argparse.Namespace, model: str) -> int:
     """``--node-rank`` > 0: this node's tensor-parallel worker ranks only; rank 0 (node 0) sends
     them its settings."""
     from tianxia.config import EngineConfig
-    from tianxia.distributed.tensor_parallel import serve_node
+    from tianxia.distributed.nodes import serve_node
 
     return serve_node(EngineConfig(
         model=model, device=args.device, threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,

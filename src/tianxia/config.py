@@ -224,7 +224,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port (one node only)
     nnodes: int = 1
-    node_rank: int = 0  # > 0: a node of worker ranks only (tensor_parallel.serve_node)
+    node_rank: int = 0  # > 0: a node of worker ranks only (distributed/nodes.serve_node)
     lora: LoRAConfig | None = None  # LoRA adapters (--enable-lora); None: off
     # CUDA: GiB of decoder-layer weights kept in host memory and streamed to the GPU per forward
     cpu_offload_gb: float = 0.0
