@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import replace
+from itertools import groupby
 
 import torch
 
@@ -48,17 +49,6 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * row
 
 
-def _runs(places: list) -> list[tuple[object, int]]:
-    """Consecutive equal items of ``places`` as (item, count)."""
-    runs: list[list] = []
-    for p in places:
-        if runs and runs[-1][0] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-    return [(p, n) for p, n in runs]
-
-
 class ModelRunner:
     # whether verification steps may run as one-token rows through the decode graphs (a
     # tensor-parallel rank 0 may not: its workers build their batches from the step it sends)
@@ -83,10 +73,10 @@ class ModelRunner:
         split = layer_split_of(model)
         places = split.layer_devices() if split is not None else [(device, kv_dtype)] * model_config.num_hidden_layers
         self.kv_parts = []
-        for (where, compute_dtype), n in _runs(places):
+        for (where, compute_dtype), layers in groupby(places):  # consecutive layers on one device
             # the CPU layers of a split model keep a float32 cache, as the CPU engine does
             part_dtype = kv_dtype if where.type == device.type else compute_dtype
-            self.kv_parts.append(self._allocate_kv(model_config, n, part_dtype, where))
+            self.kv_parts.append(self._allocate_kv(model_config, len(list(layers)), part_dtype, where))
         self.kv_caches = [layer for part in self.kv_parts for layer in part.unbind(0)]
         # the whole cache as one tensor where it is one (fp8 calibration reads it)
         self.kv_cache = self.kv_parts[0] if len(self.kv_parts) == 1 else None
