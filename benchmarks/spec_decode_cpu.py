@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=96)
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 8, '
+    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 7, '
                                       '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
     ap.add_argument("--forced", action="store_true", help="also speculate at every batch size")
     ap.add_argument("--workload", choices=["edit", "free"], default="edit",

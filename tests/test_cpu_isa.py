@@ -71,7 +71,8 @@ def test_integer_products_are_bit_exact_with_avx2(qtype, level, isa_level):
     packed = from_gguf(torch.from_numpy(quantize_array(w.numpy(), qtype).reshape(-1)), qtype, (44, 512))
     x = torch.randn(70, 512, generator=g)
     bias = torch.randn(44, generator=g)
-    for m in (1, 2, 3, 5, 8, 9, 70):  # registers (up to 8 rows) and widened tiles, every panel size
+    # codes unpacked in registers (up to 8 or 16 rows) and widened tiles, every panel size of both
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 23, 70):
         ext.set_cpu_isa(0, 1)
         want = cpu_kernels.packed_linear(x[:m], packed, bias, True)
         ext.set_cpu_isa(level, 1)

@@ -113,8 +113,9 @@ def test_int8_activations_stay_close_and_batch_invariant(qtype):
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q6_K", "Q8_0", "Q3_K", "Q2_K", "int8"])
 def test_many_rows_equal_the_direct_integer_kernel(kind):
-    # more than 8 rows widen tiles of codes (4- to 8-bit, groups of 16 or 32, with or without
-    # mins), fewer unpack them in registers, through the same register tile: every row count
+    # more than 8 rows (16 with AVX-512) widen tiles of codes (4- to 8-bit, groups of 16 or 32,
+    # with or without mins), fewer unpack them in registers, through the same register tiles of 4
+    # (8 with AVX-512) rows and the last rows' shorter one: every row count
     # around the tile edges, a weight whose rows are not a multiple of 4, and a bias, bit for bit
     # against one activation row at a time. int8: one group per row.
     rows = 42
@@ -126,7 +127,7 @@ def test_many_rows_equal_the_direct_integer_kernel(kind):
         qtype = QT[kind]
         packed = from_gguf(torch.from_numpy(quantize_array(w.numpy(), qtype).reshape(-1)), qtype, (rows, COLS))
     bias = torch.randn(rows, generator=g)
-    for m in (9, 17, 18, 19, 20, 131):
+    for m in (5, 6, 7, 9, 13, 16, 17, 18, 19, 20, 23, 131):
         x = torch.randn(m, COLS, generator=g)
         got = cpu_kernels.packed_linear(x, packed, bias, int8=True)
         want = torch.cat([cpu_kernels.packed_linear(x[i:i + 1], packed, bias, int8=True) for i in range(m)])

@@ -329,7 +329,33 @@ inline void quad_rows(const Codes* codes, const Factors* factors, const uint8_t*
   }
 }
 
-constexpr int kTileRows = 4;  // activation rows per register tile
+// Activation rows per register tile: 8 where 32 vector registers hold their accumulators beside a
+// quad's codes (AVX-512), else 4. Each output takes the same operations in either (the rows'
+// accumulators are independent), so the bits are the same; 8 rows unpack or load each quad's codes
+// half as often (Qwen2.5-0.5B's output head at 8 rows: 10.5 -> 7.7 ms, BENCHMARKS.md).
+#ifdef TIANXIA_VNNI
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 4;
+#endif
+
+// f(std::integral_constant<int, rows>) for the 1 .. kTileRows - 1 rows of a last, short tile
+template <typename F>
+inline void with_rest(int64_t rows, F&& f) {
+  auto one = [&](auto r) {
+    if constexpr (decltype(r)::value < kTileRows) f(r);
+  };
+  switch (rows) {
+    case 1: return one(std::integral_constant<int, 1>{});
+    case 2: return one(std::integral_constant<int, 2>{});
+    case 3: return one(std::integral_constant<int, 3>{});
+    case 4: return one(std::integral_constant<int, 4>{});
+    case 5: return one(std::integral_constant<int, 5>{});
+    case 6: return one(std::integral_constant<int, 6>{});
+    case 7: return one(std::integral_constant<int, 7>{});
+    default: return;
+  }
+}
 
 // a quad's outputs for MR activation rows: lanes j and j + 4 of acc[m] added, then the bias
 // (weight rows n..n+rows-1, rows <= 4)
@@ -429,25 +455,23 @@ void direct_rows(const Packed& w, int64_t n0, int64_t n1, const uint8_t* panels,
   for (int64_t c = 0; c < full; ++c)
     for (int64_t n = n0; n < n1; n += 4)
       direct_quads<BITS, R, MINS, 1, S>(w, n, std::min<int64_t>(4, n1 - n), panels + c * span, R * c, bias, out, buffer);
-  const uint8_t* p = panels + full * span;
-  const int64_t m0 = R * full;
-  for (int64_t n = n0; n < n1; n += rest <= 2 ? 8 : 4) {
-    const int64_t rows = std::min<int64_t>(rest <= 2 ? 8 : 4, n1 - n);
-    if (rest == 3) direct_quads<BITS, 3, MINS, 1, S>(w, n, rows, p, m0, bias, out, buffer);
-    else if (rest == 2) direct_quads<BITS, 2, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
-    else if (rest == 1) direct_quads<BITS, 1, MINS, 2, S>(w, n, rows, p, m0, bias, out, buffer);
-  }
+  with_rest(rest, [&](auto mr) {
+    constexpr int MR = decltype(mr)::value, Q = MR <= 2 ? 2 : 1;
+    for (int64_t n = n0; n < n1; n += 4 * Q)
+      direct_quads<BITS, MR, MINS, Q, S>(w, n, std::min<int64_t>(4 * Q, n1 - n), panels + full * span, R * full, bias,
+                                         out, buffer);
+  });
 }
 
 // up to this many activation rows (decode steps) each quad's codes are unpacked in registers for
 // every panel; more rows widen tiles that stay in L2 while every row passes over them
-constexpr int64_t kFewRows = 8;
+constexpr int64_t kFewRows = 2 * kTileRows;
 
 template <int BITS, bool MINS, typename S>
 void product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
   const int64_t N = w.N, K = w.K, M = a.M, nb = K / 32;
-  // the activation panels, once per call: rows 4c..4c+3 at c * nb * kPanelBlock<4>, then the
-  // last 1-3 rows
+  // the activation panels, once per call: rows Rc..Rc+R-1 at c * nb * kPanelBlock<R>, then the
+  // last 1..R-1 rows
   constexpr int R = kTileRows;
   const int64_t full = M / R, rest = M % R, span = nb * kPanelBlock<R>;
   thread_local std::vector<uint8_t> buffer;  // (a lambda would see its own thread's: use the pointer)
@@ -455,11 +479,8 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
   uint8_t* const panels = buffer.data();
   at::parallel_for(0, full + (rest > 0), 4, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      uint8_t* p = panels + c * span;
-      if (c < full) pack_panel<R>(a, R * c, p);
-      else if (rest == 3) pack_panel<3>(a, R * c, p);
-      else if (rest == 2) pack_panel<2>(a, R * c, p);
-      else pack_panel<1>(a, R * c, p);
+      if (c < full) pack_panel<R>(a, R * c, panels + c * span);
+      else with_rest(rest, [&](auto mr) { pack_panel<decltype(mr)::value>(a, R * c, panels + c * span); });
     }
   });
   // Shares of weight rows go in turn to whichever thread is free, so a core slowed down by another
@@ -487,10 +508,9 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
       const int64_t n0 = i * tile;
       widen_tile<BITS, S>(w, n0, std::min(tile, N - n0), t);
       for (int64_t c = 0; c < full; ++c) tile_outputs<BITS, R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N);
-      const uint8_t* p = panels + full * span;
-      if (rest == 3) tile_outputs<BITS, 3, MINS>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 2) tile_outputs<BITS, 2, MINS>(t, p, nb, R * full, n0, bias, out, N);
-      else if (rest == 1) tile_outputs<BITS, 1, MINS>(t, p, nb, R * full, n0, bias, out, N);
+      with_rest(rest, [&](auto mr) {
+        tile_outputs<BITS, decltype(mr)::value, MINS>(t, panels + full * span, nb, R * full, n0, bias, out, N);
+      });
     }
   });
 }
