@@ -25,7 +25,7 @@ def test_gated_activation_matches_torch(ext, gelu):
     # the vectorised exp of the fused activation, over the range where it saturates, row ends
     # that do not fill a vector (1539 = 192 * 8 + 3), and (SiLU) infinities; tanh-GELU of an
     # infinite input is NaN here and infinite in torch, a broken row either way
-    x = torch.randn(5, 2 * 1539) * 8
+    x = torch.randn(5, 2 * 1539, generator=torch.Generator().manual_seed(1 + gelu)) * 8
     x[0, :12] = torch.tensor([-200.0, -90, -88, -50, -1e-8, 0, 1e-8, 50, 88, 90, 200, 300 if gelu else float("inf")])
     g, u = x.chunk(2, dim=-1)
     act = torch.nn.functional.gelu(g, approximate="tanh") if gelu else torch.nn.functional.silu(g)
@@ -70,3 +70,31 @@ def test_paged_decode_matches_attention_over_the_gathered_cache(ext, head_dim, w
             s = torch.tanh(s / softcap) * softcap
         want = torch.einsum("hn,nhd->hd", s.softmax(-1), values.repeat_interleave(rep, dim=1))
         assert torch.allclose(got[b], want, rtol=1e-4, atol=1e-5), (b, n)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("window", [0, 50])
+def test_rows_of_one_sequence_attend_as_each_row_alone(ext, head_dim, window, cache_dtype):
+    # A verification step's rows (consecutive positions of one sequence, each with its own block
+    # table row) and a prompt chunk's tokens (seq_of) are attended as groups that read each block
+    # of keys and values once for every row: each row must still get the bits it gets alone,
+    # across group edges (more than 8 rows), key blocks (lengths around 32 and 8) and, with a
+    # window, rows whose window starts past the first key
+    g = torch.Generator().manual_seed(head_dim + window)
+    hq, hk, bs, blocks = 14, 2, 16, 24
+    lens = list(range(27, 27 + 11)) + [3, 3]  # 11 rows of one sequence, then 2 of another
+    k_cache = torch.randn(blocks, bs, hk, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, hk, head_dim, generator=g).to(cache_dtype)
+    perm = torch.randperm(blocks, generator=g)
+    tables = torch.stack([perm[:4]] * 11 + [perm[4:8]] * 2)
+    q = torch.randn(len(lens), hq, head_dim, generator=g)
+    scale = 1 / math.sqrt(head_dim)
+    together = ext.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale, window, 0.0, _NO_SEQ)
+    by_seq = ext.paged_decode(q, k_cache, v_cache, tables[[0, 11]], torch.tensor(lens), scale, window, 0.0,
+                              torch.tensor([0] * 11 + [1] * 2))
+    for b, n in enumerate(lens):
+        alone = ext.paged_decode(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], torch.tensor([n]), scale, window,
+                                 0.0, _NO_SEQ)
+        assert torch.equal(together[b], alone[0]), b
+        assert torch.equal(by_seq[b], alone[0]), b

@@ -61,10 +61,11 @@ void gated_act_rows(const float* x, float* out, int64_t T, int64_t I, bool gelu)
   const auto act = [gelu](__m256 g) {
     const __m256 one = _mm256_set1_ps(1.f);
     if (!gelu) return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    // 0.5 g (1 + tanh(z)) = g - g / (1 + e^{2z}), z = sqrt(2/pi) (g + 0.044715 g^3)
-    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(2.f * 0.7978845608028654f),
-                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
-    return _mm256_sub_ps(g, _mm256_div_ps(g, _mm256_add_ps(one, exp8(z))));
+    // 0.5 g (1 + tanh(z)) = g / (1 + e^{-2z}), z = sqrt(2/pi) (g + 0.044715 g^3): a quotient, where
+    // g - g / (1 + e^{2z}) lost the small results of negative g (about -4) to cancellation
+    const __m256 z2 = _mm256_mul_ps(_mm256_set1_ps(-2.f * 0.7978845608028654f),
+                                    _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+    return _mm256_div_ps(g, _mm256_add_ps(one, exp8(z2)));
   };
   at::parallel_for(0, T * I, 2048, [&](int64_t a, int64_t b) {
     for (int64_t j = a; j < b;) {
@@ -95,73 +96,139 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-// one (sequence, KV head): its rep query heads over n cached tokens (float32, float16 or Q8_0/Q4_0
-// block rows T, widened in registers: kv_blocks.h);
-// ND = D / 8 when the head size is 64 or 128 (the accumulators then stay in registers), 0 for any
-// other size
+// the scores of query qr against keys [t0, t1) (t0 a multiple of 8 from the first key; whole blocks
+// of 8 keys take one reduction for their 8 dot products, the keys past the last whole block of
+// the query's n one dot product each), scaled, into sr
+template <typename T>
+inline void score_keys(const float* qr, const T* const* k, int64_t t0, int64_t t1, int64_t n, int64_t D, float scale,
+                       float* sr) {
+  int64_t t = t0;
+  const int64_t whole = D % 8 == 0 ? n / 8 * 8 : 0;
+  for (; t + 8 <= std::min(t1, whole); t += 8) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qc = _mm256_loadu_ps(qr + c);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(kv_load8(k[t + i], c), qc, acc[i]);
+    }
+    _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+  }
+  for (t = std::max(t, whole); t < t1; ++t) sr[t] = kv_dot(k[t], qr, D) * scale;
+}
+
+// scores of n keys into probabilities (exp(s - max), unnormalised); returns 1 / their sum
+inline float softmax_scores(float* sr, int64_t n, float softcap) {
+  if (softcap > 0)
+    for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), m));
+    _mm256_storeu_ps(sr + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum(vsum);
+  for (; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
+  return 1.f / sum;
+}
+
+// acc[c] += p_t v_t[8c..8c+7] for keys [t0, t1), in key order
 template <int ND, typename T>
-void attend_kv_head(const float* q, float* out, const T* const* k, const T* const* v, int64_t n, int64_t rep,
-                    int64_t D, float scale, float softcap, std::vector<float>& scores) {
-  scores.resize(rep * n);
-  for (int64_t r = 0; r < rep; ++r) {
-    const float* qr = q + r * D;
-    float* sr = scores.data() + r * n;
-    int64_t t = 0;
-    if (D % 8 == 0) {
-      for (; t + 8 <= n; t += 8) {  // 8 keys at a time: one reduction for 8 dot products
-        __m256 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 8) {
-          const __m256 qc = _mm256_loadu_ps(qr + c);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(kv_load8(k[t + i], c), qc, acc[i]);
-        }
-        _mm256_storeu_ps(sr + t, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+inline void weigh_values(const float* sr, const T* const* v, int64_t t0, int64_t t1, float* accum) {
+  __m256 acc[ND];
+  for (int c = 0; c < ND; ++c) acc[c] = _mm256_loadu_ps(accum + 8 * c);
+  for (int64_t t2 = t0; t2 < t1; ++t2) {
+    const __m256 p = _mm256_set1_ps(sr[t2]);
+    for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, kv_load8(v[t2], 8 * c), acc[c]);
+  }
+  for (int c = 0; c < ND; ++c) _mm256_storeu_ps(accum + 8 * c, acc[c]);
+}
+
+// One KV head of a group of G query rows over the same cached tokens (one sequence: a decode, or
+// the rows of a speculative verification or of a prompt chunk, each with its own length n[g]):
+// the G x rep query heads, rep per row at q + g * sq (outputs at out + g * so), over the keys
+// and values k[t], v[t] (float32, float16 or Q8_0/Q4_0 block rows, widened in registers:
+// kv_blocks.h). The keys and values are read a block at a time for every query head, while the
+// block is in L1, instead of once per query head; each query head's scores, softmax and weighted
+// sum take the same operations, in the same order, as when it is alone, so a row's output does
+// not depend on its group. ND = D / 8 when the head size is 64 or 128 (the accumulators then stay
+// in registers), 0 for any other size.
+template <int ND, typename T>
+void attend_kv_group(const float* q, int64_t sq, float* out, int64_t so, const int64_t* n, int64_t G,
+                     const T* const* k, const T* const* v, int64_t rep, int64_t D, float scale, float softcap,
+                     std::vector<float>& scores) {
+  constexpr int64_t kKeyBlock = 32;  // keys per block: 8-32 KiB of float32 K or V rows of 64-128 values
+  int64_t most = 0, stride = 0;
+  for (int64_t g = 0; g < G; ++g) most = std::max(most, n[g]);
+  stride = (most + 7) / 8 * 8;
+  scores.resize(G * rep * stride + G * rep * std::max<int64_t>(ND, 1) * 8);
+  float* const accum = scores.data() + G * rep * stride;
+  for (int64_t t0 = 0; t0 < most; t0 += kKeyBlock)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < rep; ++r)
+        if (t0 < n[g])
+          score_keys(q + g * sq + r * D, k, t0, std::min(t0 + kKeyBlock, n[g]), n[g], D, scale,
+                     scores.data() + (g * rep + r) * stride);
+  std::vector<float> inv(G * rep);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < rep; ++r) inv[g * rep + r] = softmax_scores(scores.data() + (g * rep + r) * stride, n[g], softcap);
+  if constexpr (ND > 0) {
+    std::fill(accum, accum + G * rep * ND * 8, 0.f);
+    for (int64_t t0 = 0; t0 < most; t0 += kKeyBlock)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < rep; ++r)
+          if (t0 < n[g])
+            weigh_values<ND>(scores.data() + (g * rep + r) * stride, v, t0, std::min(t0 + kKeyBlock, n[g]),
+                             accum + (g * rep + r) * ND * 8);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < rep; ++r) {
+        float* o = out + g * so + r * D;
+        const float* a = accum + (g * rep + r) * ND * 8;
+        for (int c = 0; c < ND; ++c)
+          _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), _mm256_set1_ps(inv[g * rep + r])));
       }
-    }
-    for (; t < n; ++t) sr[t] = kv_dot(k[t], qr, D) * scale;
-    if (softcap > 0)
-      for (int64_t i = 0; i < n; ++i) sr[i] = std::tanh(sr[i] / softcap) * softcap;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-    const __m256 m = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + i), m));
-      _mm256_storeu_ps(sr + i, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    float sum = hsum(vsum);
-    for (; i < n; ++i) { sr[i] = std::exp(sr[i] - mx); sum += sr[i]; }
-    const float inv = 1.f / sum;
-    float* o = out + r * D;
-    if constexpr (ND > 0) {
-      __m256 acc[ND];
-      for (int c = 0; c < ND; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t t2 = 0; t2 < n; ++t2) {
-        const __m256 p = _mm256_set1_ps(sr[t2]);
-        for (int c = 0; c < ND; ++c) acc[c] = _mm256_fmadd_ps(p, kv_load8(v[t2], 8 * c), acc[c]);
+  } else {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < rep; ++r) {
+        const float* sr = scores.data() + (g * rep + r) * stride;
+        float* o = out + g * so + r * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t t2 = 0; t2 < n[g]; ++t2)
+          for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * kv_elem(v[t2], d);
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv[g * rep + r];
       }
-      for (int c = 0; c < ND; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
-    } else {
-      std::fill(o, o + D, 0.f);
-      for (int64_t t2 = 0; t2 < n; ++t2)
-        for (int64_t d = 0; d < D; ++d) o[d] += sr[t2] * kv_elem(v[t2], d);
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
   }
 }
 
 }  // namespace
+
+// rows per group at most: a prompt chunk's rows (one sequence) split into groups that the threads share
+constexpr int64_t kMaxGroup = 8;
 
 template <typename T>
 void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const T* k_cache, const T* v_cache,
                        const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens, const int64_t* seq_of,
                        int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, float scale, int64_t window,
                        float softcap) {
-  const int64_t rep = Hq / Hk, bs = block_size, items = B * Hk, stride = kv_row_stride<T>(D);
-  const auto attend = D == 64 ? attend_kv_head<8, T> : D == 128 ? attend_kv_head<16, T> : attend_kv_head<0, T>;
-  // (query, KV head) pairs from an atomic counter, a few at a time: the queries of a prompt cost
+  const int64_t rep = Hq / Hk, bs = block_size, stride = kv_row_stride<T>(D);
+  const auto attend = D == 64 ? attend_kv_group<8, T> : D == 128 ? attend_kv_group<16, T> : attend_kv_group<0, T>;
+  auto table_of = [&](int64_t b) { return block_tables + (seq_of ? seq_of[b] : b) * max_blocks; };
+  auto start_of = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : int64_t(0); };
+  // Groups of consecutive rows that read the same cached tokens from their first (the same block
+  // table, no window cut): a sequence's rows in a verification step or a prompt chunk
+  std::vector<int64_t> first;  // each group's first row, then B
+  for (int64_t b = 0; b < B; ++b) {
+    const bool joins = b > 0 && b - first.back() < kMaxGroup && start_of(b) == 0 && start_of(b - 1) == 0 &&
+                       (table_of(b) == table_of(b - 1) ||
+                        std::memcmp(table_of(b), table_of(b - 1), sizeof(int64_t) * max_blocks) == 0);
+    if (!joins) first.push_back(b);
+  }
+  const int64_t groups = (int64_t)first.size(), items = groups * Hk;
+  first.push_back(B);
+  // (group, KV head) pairs from an atomic counter, a few at a time: the queries of a prompt cost
   // in proportion to their positions, and a static split would give one thread the long ones
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(1, items / (16 * threads));
@@ -169,20 +236,27 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
   at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     std::vector<const T*> k, v;
+    std::vector<int64_t> n;
     for (int64_t j0; (j0 = next.fetch_add(chunk)) < items;) {
       for (int64_t j = j0; j < std::min(items, j0 + chunk); ++j) {
-        const int64_t b = j / Hk, hk = j % Hk, len = seq_lens[b];
-        const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
-        const int64_t* bt = block_tables + (seq_of ? seq_of[b] : b) * max_blocks;
-        k.resize(n);
-        v.resize(n);
+        const int64_t gi = j / Hk, hk = j % Hk, b0 = first[gi], G = first[gi + 1] - b0;
+        const int64_t start = start_of(b0);
+        int64_t len = 0;
+        n.resize(G);
+        for (int64_t g = 0; g < G; ++g) {
+          n[g] = seq_lens[b0 + g] - start;
+          len = std::max(len, seq_lens[b0 + g]);
+        }
+        const int64_t* bt = table_of(b0);
+        k.resize(len - start);
+        v.resize(len - start);
         for (int64_t t = start; t < len; ++t) {  // the rows of the paged cache, in token order
           const int64_t row = (bt[t / bs] * bs + t % bs) * Hk + hk;
           k[t - start] = k_cache + row * stride;
           v[t - start] = v_cache + row * stride;
         }
-        attend(q + b * sq + hk * rep * D, out + b * so + hk * rep * D, k.data(), v.data(), n, rep, D, scale, softcap,
-               scores);
+        attend(q + b0 * sq + hk * rep * D, sq, out + b0 * so + hk * rep * D, so, n.data(), G, k.data(), v.data(), rep,
+               D, scale, softcap, scores);
       }
     }
   });
