@@ -160,28 +160,30 @@ template <int ND, typename T>
 void attend_kv_group(const float* q, int64_t sq, float* out, int64_t so, const int64_t* n, int64_t G,
                      const T* const* k, const T* const* v, int64_t rep, int64_t D, float scale, float softcap,
                      std::vector<float>& scores) {
-  constexpr int64_t kKeyBlock = 32;  // keys per block: 8-32 KiB of float32 K or V rows of 64-128 values
-  int64_t most = 0, stride = 0;
+  int64_t most = 0;
   for (int64_t g = 0; g < G; ++g) most = std::max(most, n[g]);
-  stride = (most + 7) / 8 * 8;
+  // keys per block: 8-32 KiB of float32 K or V rows of 64-128 values for a group; one row reads all
+  // its keys per query head in one pass (SmolLM2's 16 decodes at 800 keys: 8-15% faster than in
+  // blocks, which the other heads read again from L2 instead of L1)
+  const int64_t block = G > 1 ? 32 : std::max<int64_t>(most, 1), stride = (most + 7) / 8 * 8;
   scores.resize(G * rep * stride + G * rep * std::max<int64_t>(ND, 1) * 8);
   float* const accum = scores.data() + G * rep * stride;
-  for (int64_t t0 = 0; t0 < most; t0 += kKeyBlock)
+  for (int64_t t0 = 0; t0 < most; t0 += block)
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < rep; ++r)
         if (t0 < n[g])
-          score_keys(q + g * sq + r * D, k, t0, std::min(t0 + kKeyBlock, n[g]), n[g], D, scale,
+          score_keys(q + g * sq + r * D, k, t0, std::min(t0 + block, n[g]), n[g], D, scale,
                      scores.data() + (g * rep + r) * stride);
   std::vector<float> inv(G * rep);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < rep; ++r) inv[g * rep + r] = softmax_scores(scores.data() + (g * rep + r) * stride, n[g], softcap);
   if constexpr (ND > 0) {
     std::fill(accum, accum + G * rep * ND * 8, 0.f);
-    for (int64_t t0 = 0; t0 < most; t0 += kKeyBlock)
+    for (int64_t t0 = 0; t0 < most; t0 += block)
       for (int64_t g = 0; g < G; ++g)
         for (int64_t r = 0; r < rep; ++r)
           if (t0 < n[g])
-            weigh_values<ND>(scores.data() + (g * rep + r) * stride, v, t0, std::min(t0 + kKeyBlock, n[g]),
+            weigh_values<ND>(scores.data() + (g * rep + r) * stride, v, t0, std::min(t0 + block, n[g]),
                              accum + (g * rep + r) * ND * 8);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < rep; ++r) {
