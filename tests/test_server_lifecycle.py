@@ -30,7 +30,7 @@ SHUTDOWN_TIMEOUT = 15
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     srv = ServerProcess([
-        MODEL, "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--max-num-seqs", "2",
+        MODEL, "--kv-cache-memory", "1GiB", "--max-model-len", "8192", "--max-num-seqs", "2",
         "--max-waiting-requests", "1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
     ])
     srv.start()
@@ -113,7 +113,8 @@ def test_sigterm_drains_then_exits_0(server):
     with httpx.Client(base_url=server.url, timeout=300) as http, ExitStack() as stack:
         _, short = open_stream(stack, http, max_tokens=short_tokens,
                                stream_options={"include_usage": True})
-        _, long = open_stream(stack, http, max_tokens=2000)
+        # longer than any CPU decodes in SHUTDOWN_TIMEOUT (2,000 tokens took 11-15 s on 2 cores)
+        _, long = open_stream(stack, http, max_tokens=8000)
         t0 = time.monotonic()
         server.signal(signal.SIGTERM)
         # no new work: the listening socket closes (or, in the instant before, a 503)
