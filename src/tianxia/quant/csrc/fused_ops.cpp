@@ -166,15 +166,16 @@ void attend_kv_group(const float* q, int64_t sq, float* out, int64_t so, const i
   // its keys per query head in one pass (SmolLM2's 16 decodes at 800 keys: 8-15% faster than in
   // blocks, which the other heads read again from L2 instead of L1)
   const int64_t block = G > 1 ? 32 : std::max<int64_t>(most, 1), stride = (most + 7) / 8 * 8;
-  scores.resize(G * rep * stride + G * rep * std::max<int64_t>(ND, 1) * 8);
+  // one buffer for the scores, the weighted sums' accumulators and the 1 / sum of each query head
+  scores.resize(G * rep * stride + G * rep * std::max<int64_t>(ND, 1) * 8 + G * rep);
   float* const accum = scores.data() + G * rep * stride;
+  float* const inv = accum + G * rep * std::max<int64_t>(ND, 1) * 8;
   for (int64_t t0 = 0; t0 < most; t0 += block)
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < rep; ++r)
         if (t0 < n[g])
           score_keys(q + g * sq + r * D, k, t0, std::min(t0 + block, n[g]), n[g], D, scale,
                      scores.data() + (g * rep + r) * stride);
-  std::vector<float> inv(G * rep);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t r = 0; r < rep; ++r) inv[g * rep + r] = softmax_scores(scores.data() + (g * rep + r) * stride, n[g], softcap);
   if constexpr (ND > 0) {

@@ -332,7 +332,7 @@ inline void quad_rows(const Codes* codes, const Factors* factors, const uint8_t*
 // Activation rows per register tile: 8 where 32 vector registers hold their accumulators beside a
 // quad's codes (AVX-512), else 4. Each output takes the same operations in either (the rows'
 // accumulators are independent), so the bits are the same; 8 rows unpack or load each quad's codes
-// half as often (Qwen2.5-0.5B's output head at 8 rows: 10.5 -> 7.7 ms, BENCHMARKS.md).
+// half as often (Qwen2.5-0.5B's output head at 8 rows: 10.5 -> 7.7 ms).
 #ifdef TIANXIA_VNNI
 constexpr int kTileRows = 8;
 #else
@@ -395,7 +395,7 @@ constexpr int64_t kAheadSteps = 2;
 // their factors from the weight's quad_scale_table (n a multiple of 4 there; a missing quad past
 // the weight's last rows reads the table's zero padding), else made here. fetch: the first panel
 // over these rows, which fetches the next steps' rows ahead (the later panels find them in L2;
-// SmolLM2's 30 gate/up projections at 8 rows, weights streaming: 3.6-3.9 -> 3.1 ms)
+// SmolLM2's 30 gate/up projections at 8 rows, weights streaming: 3.6-3.9 -> 3.0 ms)
 template <int BITS, int MR, bool MINS, int Q, typename S>
 void direct_quads(const Packed& w, int64_t n, int64_t rows, const uint8_t* panel, int64_t m0, const float* bias,
                   float* out, std::vector<float>& buffer, bool fetch) {
