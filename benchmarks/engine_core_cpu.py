@@ -3,7 +3,9 @@
 the offline decode step: one script, one machine, one run.
 
 - offline: ``LLM.generate`` of one 128-token prompt (random token ids), 1 token and then 65
-  tokens (``ignore_eos``), ``--threads`` threads; the decode step is the difference over 64;
+  tokens (``ignore_eos``), ``--threads`` threads; the decode step is the difference over 64. It
+  is measured again at the start of every round, and each round's served TPOT is compared with
+  its own round's offline step: a machine whose speed drifts within the run then moves both;
 - served, for ``--engine-core thread`` and ``process`` in turn (ABBA over ``--rounds``): at
   concurrency 1, sequential streamed requests of the same shape, TPOT =
   (last token - first token) / (tokens - 1), median over requests; at concurrency 16, 32 streamed
@@ -125,15 +127,22 @@ def main() -> None:
     modes = args.modes.split(",")
     flags = {"thread": ["--engine-core", "thread"], "process": ["--engine-core", "process"],
              "api2": ["--engine-core", "process", "--api-server-count", "2"]}
-    offline = json.loads(subprocess.run(
-        [sys.executable, "-c", OFFLINE, args.model, str(args.threads)], check=True,
-        capture_output=True, text=True, cwd=REPO).stdout.strip().splitlines()[-1])
-    print("offline", offline, flush=True)
+    def offline_step_ms() -> float:
+        out = subprocess.run([sys.executable, "-c", OFFLINE, args.model, str(args.threads)], check=True,
+                             capture_output=True, text=True, cwd=REPO).stdout
+        step = json.loads(out.strip().splitlines()[-1])["decode_step_ms"]
+        print("offline decode step ms", round(step, 3), flush=True)
+        return step
+
     order = []
     for i in range(args.rounds):
-        order += modes if i % 2 == 0 else modes[::-1]
+        order += [None] + (modes if i % 2 == 0 else modes[::-1])  # None: the round's offline step
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    offline_ms: list[float] = []
     for mode in order:
+        if mode is None:
+            offline_ms.append(offline_step_ms())
+            continue
         srv = ServerProcess([args.model, "--threads", str(args.threads), *flags[mode],
                              "--max-model-len", "512", "--max-num-seqs", "16",
                              "--kv-cache-memory", "256MiB", "--disable-log-stats",
@@ -141,12 +150,13 @@ def main() -> None:
         with srv:
             result = asyncio.run(served(srv.url, 64))
             result["idle_cpu_share"] = idle_cpu(srv.proc.pid)
+        result["tpot_vs_offline"] = result["tpot_c1_ms"] / offline_ms[-1]
         print(mode, result, flush=True)
         runs[mode].append(result)
-    summary = {"offline_decode_step_ms": offline["decode_step_ms"]}
+    summary = {"offline_decode_step_ms": statistics.median(offline_ms), "offline_rounds_ms": offline_ms}
     for mode, results in runs.items():
-        tpot = statistics.median(r["tpot_c1_ms"] for r in results)
-        summary[mode] = {"tpot_c1_ms": tpot, "tpot_vs_offline": tpot / offline["decode_step_ms"],
+        summary[mode] = {"tpot_c1_ms": statistics.median(r["tpot_c1_ms"] for r in results),
+                         "tpot_vs_offline": statistics.median(r["tpot_vs_offline"] for r in results),
                          "tok_s_c16": statistics.median(r["tok_s_c16"] for r in results),
                          "idle_cpu_share": max(r["idle_cpu_share"] for r in results)}
     summary["runs"] = runs
