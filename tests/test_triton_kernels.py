@@ -690,6 +690,57 @@ def test_every_family_decodes_through_the_graph_runner(arch, family_models, monk
         _routes_agree(llm, batch[1:2], params, [fused_route])
 
 
+def _staggered(llm, prompts, params, tag: str) -> list:
+    """Each prompt added one step after the one before, while the earlier ones decode: steps of a
+    prompt chunk beside decodes. The outputs in the prompts' order."""
+    engine, done = llm.engine, {}
+    pending = [(f"{tag}-{i}", {"prompt_token_ids": p}) for i, p in enumerate(prompts)]
+    order = [rid for rid, _ in pending]
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            engine.add_request(*pending.pop(0), params)
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[rid] for rid in order]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2"])
+def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models, monkeypatch):
+    """Where the decode graphs hold a step's rows, a step with a prompt chunk (alone, or beside
+    decodes) replays them as one-token rows instead of launching the module forward: requests
+    that arrive while others decode give the eager path's tokens and logprobs, and no step runs
+    eagerly. Uncaptured here, with the Triton backend, as above."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine.cuda_graph import CudaGraphRunner
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=16, max_model_len=64)
+    cfg = llm.engine.model_config
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runner = llm.engine.runner
+    runner.decode_step = runner.graph_runner = None
+    eager = _staggered(llm, prompts, params, "eager")
+    step = (LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep)(runner.model, runner.kv_caches, 64)
+    gr = CudaGraphRunner(step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads,
+                         block_size=4, max_num_seqs=16, max_model_len=64, device=DEV,
+                         variants=step.variants, set_variant=step.set_variant, use_graphs=False)
+    gr.capture()
+    runner.graph_runner = gr
+    runner.route_counts.clear()
+    routed = _staggered(llm, prompts, params, "graph")
+    assert runner.route_counts["eager"] == 0 and runner.route_counts["graph"] > 0, runner.route_counts
+    for a, b in zip(eager, routed):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in step_a:
+                assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
+
+
 # --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------
 
 

@@ -7,11 +7,13 @@ to the sequences is the scheduler's ``update``.
 
 This is the one place that picks how a step runs (the *route*, counted in ``route_counts``):
 
-- ``graph``: a step of decodes only, replayed from a CUDA graph of the family's fused decode step
-  or, for a family without one, of its module forward (:mod:`tianxia.engine.cuda_graph`);
+- ``graph``: a step of decodes, replayed from a CUDA graph of the family's fused decode step or,
+  for a family without one, of its module forward (:mod:`tianxia.engine.cuda_graph`); a step
+  with prompt chunks or verifications takes it as one-token rows where the graphs hold its rows;
 - ``fused``: a step of decodes only, through the family's fused step called directly (the CPU's
   one-call C++ decoder; a GPU with graphs off);
-- ``eager``: the module forward (prompt chunks, mixed steps, batches past a route's limit).
+- ``eager``: the module forward (prompt chunks on a CPU, steps with more rows than a route takes,
+  prompt logprobs, adapters outside the fused step).
 """
 
 from __future__ import annotations
@@ -149,6 +151,11 @@ class ModelRunner:
         self.copy_blocks(step.copies)
         # a step that verifies proposals runs as the decode graphs' one-token rows where it can
         flat = self._as_decodes(step, verification=True)
+        if flat is None and self.graph_runner is not None:
+            # a step with prompt rows replays the decode graphs too where they take its rows: the
+            # module forward's hundreds of launches cost a served step more than its rows do (on
+            # a CPU the fused step has no launches to save, and its prompt rows ran 10% slower)
+            flat = self._as_decodes(step, verification=False)
         ids, pos, meta = self.tensors(flat or step)
         rows = list(step.sample_rows)
         row_slots = self.lora_rows(step)
@@ -212,15 +219,16 @@ class ModelRunner:
         """The step's rows as one-token rows, each its own sequence over its sequence's blocks
         with the context up to its position, or None where that does not apply: with
         ``verification``, a step of decodes and verifications (k + 1 rows of a sequence, each
-        sampled); without, any step whose rows fit (a draft model's catch-up chunks).
+        sampled); without, any step whose rows fit (a draft model's catch-up chunks; on a GPU,
+        every step with prompt rows).
 
         Each layer writes every row's K/V before any row attends, so row j of a chunk sees the
         rows before it as a decode sees its context: the decode CUDA graphs (on a CPU, the fused
         C++ step) then run it as they run decoding, instead of the module forward of the whole
         model (on a GPU several replayed decode steps' time, on a CPU four plain steps' for 9
         rows). On a CPU the numbers are the module forward's (its kernels do not depend on the
-        batch or the chunk). A target's prompt chunks keep the module forward, whose numbers the
-        plain engine's prompts have on a GPU."""
+        batch or the chunk). On a GPU they are a decode step's: outside ``--batch-invariant``
+        (which runs no graphs) a row's numbers already depend on the batch it runs in."""
         if (step.all_rows or step.prompt_logprobs or step.num_decodes == step.num_seqs
                 or any(slot >= 0 for slot in step.lora_slots)):
             return None
