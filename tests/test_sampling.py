@@ -337,6 +337,21 @@ def test_min_tokens_suppresses_eos_and_stop_tokens(smollm2_llm):
     assert stop_tok not in out.token_ids[:5]
 
 
+def test_bans_and_biases_of_several_rows_in_one_step(smollm2_llm):
+    """Rows with different min_tokens bans and logit biases, sampled in one step (the bans and
+    biases of all rows go in as one indexed write): each gets what it gets alone."""
+    prompts = ["Say hi.", "My favourite colour is", "Count to 3:"]
+    tok = smollm2_llm.get_tokenizer()
+    params = [SamplingParams(temperature=0, max_tokens=24, min_tokens=12),
+              SamplingParams(temperature=0, max_tokens=12, logit_bias={tok.encode(" blue")[0]: 8.0,
+                                                                       tok.encode(" red")[0]: -100.0}),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=6, logit_bias={tok.encode("1")[0]: -5.0})]
+    together = [o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    alone = [smollm2_llm.generate(t, p, use_tqdm=False)[0].outputs[0].token_ids for t, p in zip(prompts, params)]
+    assert together == alone
+    assert len(together[0]) >= 12 and not set(together[0][:12]) & set(smollm2_llm.engine.eos_ids)
+
+
 def test_bad_words_and_allowed_token_ids(smollm2_llm):
     base = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert "Paris" in base.outputs[0].text

@@ -320,15 +320,27 @@ class Sampler:
                 keep = torch.full_like(logits[row], neg_inf)
                 keep[allowed] = 0.0
                 logits[row] += keep
-        for row, bias in enumerate(batch.bias):
-            if bias:
-                ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
-                logits[row, ids] += torch.tensor(list(bias.values()), device=logits.device)
+        if any(batch.bias):
+            # every row's biases in one indexed add: an index tensor per row is a host-to-device
+            # copy per row on a GPU
+            rows, cols, vals = [], [], []
+            for row, bias in enumerate(batch.bias):
+                if bias:
+                    rows += [row] * len(bias)
+                    cols += bias.keys()
+                    vals += bias.values()
+            where = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+            logits.index_put_((where[0], where[1]), torch.tensor(vals, dtype=logits.dtype).to(logits.device),
+                              accumulate=True)
         if batch.output_ids is not None:
             logits = apply_penalties(logits, batch)
-        for row, ids in enumerate(batch.banned):
-            if ids:
-                logits[row, ids] = neg_inf
+        if any(batch.banned):
+            # likewise one indexed write for every row's bans: min_tokens bans the stop tokens of
+            # every row still short of it, every step (benchmarks send min_tokens = max_tokens)
+            rows = [row for row, ids in enumerate(batch.banned) for _ in ids]
+            cols = [i for ids in batch.banned for i in ids]
+            where = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
+            logits[where[0], where[1]] = neg_inf
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
