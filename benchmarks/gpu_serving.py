@@ -5,8 +5,9 @@ For each shape: save a random-weight model with Qwen2.5's tokenizer (``--tokeniz
 workload's prompts are random whole words, re-tokenized to exactly 128 tokens), start ``tianxia serve`` on it (CUDA graphs, KV cache
 from ``--gpu-memory-utilization``), run the sweep (Poisson arrivals, ``ignore_eos``, every request
 exactly 64 output tokens), stop the server. Writes ``serve_<shape>.json`` / ``.png`` per shape and
-``gpu_serving.md`` (requests/s, output tokens/s, TTFT / TPOT percentiles per rate, and the share of
-a core each of the server's processes and the load generator used at each rate).
+``gpu_serving.md`` (requests/s, output tokens/s, TTFT / TPOT percentiles per rate, the share of
+a core each of the server's processes and the load generator used at each rate, and the engine
+steps each rate took, from ``/metrics``, against those of the same workload offline).
 
     PYTHONPATH=src python benchmarks/gpu_serving.py --out /tmp/out
 """
@@ -93,10 +94,21 @@ class CpuSampler(threading.Thread):
         return share
 
 
-def offline_throughput(model_dir: Path, args) -> float:
+def served_steps(base: str) -> float:
+    """Engine steps the server has run (``vllm:iteration_tokens_total``'s count, every core)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:iteration_tokens_total_count(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
     """Output tokens/s of ``args.prompts_per_point`` requests of 128 random prompt tokens and 64
     output tokens (``ignore_eos``) through ``LLM.generate`` with the server's engine settings, all
-    submitted at once: the ceiling the served figure at rate ``inf`` is compared with."""
+    submitted at once: the ceiling the served figure at rate ``inf`` is compared with. Returns
+    output tokens/s and the engine steps it took."""
     import random
 
     import torch
@@ -111,13 +123,22 @@ def offline_throughput(model_dir: Path, args) -> float:
                for _ in range(args.prompts_per_point)]
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
+    engine, steps = llm.engine, 0
+    step = engine.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted_step
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    del llm
+    del llm, engine
     torch.cuda.empty_cache()
-    return n / dt
+    return n / dt, steps
 
 
 def main() -> int:
@@ -161,16 +182,18 @@ def main() -> int:
                  "--input-len", "128", "--output-len", "64",
                  "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress"]
         t0 = time.monotonic()
-        with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0):
+        with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0) as base:
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
             points, cpu, rc = [], {}, 0
             for rate in args.rates.split(","):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
+                steps0 = served_steps(base)
                 with CpuSampler() as sampler:
                     r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
                                        capture_output=True, text=True)
+                steps = served_steps(base) - steps0  # the bench's warm-up requests included
                 rc = rc or r.returncode
                 print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
                 if part.is_file():
@@ -179,6 +202,9 @@ def main() -> int:
                     part.unlink()
                     if new:
                         cpu[rate] = sampler.busiest(new[0]["summary"]["duration_s"])
+                        new[0]["engine_steps"] = steps
+                        print(f"  rate {rate}: {steps:.0f} engine steps, "
+                              f"{1000 * new[0]['summary']['duration_s'] / max(steps, 1):.2f} ms a step", flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[rate]}", flush=True)
             res_path.write_text(json.dumps({"points": points}, indent=1))
             # kernels the server compiled while serving (each a stall of a step): should be none
@@ -186,7 +212,9 @@ def main() -> int:
         summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": rc, "cpu_share": cpu,
                           "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
         if args.offline:
-            summary[shape]["offline_output_tok_s"] = round(offline_throughput(d, args), 1)
+            tok_s, steps = offline_throughput(d, args)
+            summary[shape]["offline_output_tok_s"] = round(tok_s, 1)
+            summary[shape]["offline_engine_steps"] = steps
             print(f"{shape}: offline {summary[shape]['offline_output_tok_s']} output tok/s", flush=True)
         if args.offline and points:
             best = max(pt["summary"]["output_throughput"] for pt in points)
