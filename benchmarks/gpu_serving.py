@@ -96,12 +96,12 @@ class CpuSampler(threading.Thread):
 
 def served_steps(base: str) -> float:
     """Engine steps the server has run (``vllm:iteration_tokens_total``'s count, every core)."""
-    import re
-
     import httpx
 
+    from tianxia.server.testing import parse_metrics
+
     text = httpx.get(base + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:iteration_tokens_total_count(?:\{[^}]*\})? (\S+)$", text, re.M))
+    return sum(value for name, _, value in parse_metrics(text) if name == "vllm:iteration_tokens_total_count")
 
 
 def offline_throughput(model_dir: Path, args) -> tuple[float, int]:

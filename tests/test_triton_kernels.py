@@ -635,11 +635,16 @@ def _routes_agree(llm, prompts, params, installs) -> None:
         before = runner.route_counts["graph"]
         routed = llm.generate(prompts, params, use_tqdm=False)
         assert runner.route_counts["graph"] - before >= params.max_tokens - 1
-        for a, b in zip(eager, routed):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                for t in step_a:
-                    assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
+        _same_tokens_and_logprobs(eager, routed)
+
+
+def _same_tokens_and_logprobs(eager, routed) -> None:
+    """The same greedy tokens, and logprobs within float32 rounding, output by output."""
+    for a, b in zip(eager, routed, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in step_a:
+                assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
 
 
 @pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
@@ -734,11 +739,7 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
     runner.route_counts.clear()
     routed = _staggered(llm, prompts, params, "graph")
     assert runner.route_counts["eager"] == 0 and runner.route_counts["graph"] > 0, runner.route_counts
-    for a, b in zip(eager, routed):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for t in step_a:
-                assert abs(step_a[t].logprob - step_b[t].logprob) < 1e-4
+    _same_tokens_and_logprobs(eager, routed)
 
 
 # --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------

@@ -145,6 +145,15 @@ def _bad_word_bans(output: list[int], bad_words_ids: list[list[int]]) -> list[in
     return bans
 
 
+def _row_token_index(per_row: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column index tensors of every row's token ids (a row may have none), made with one
+    host-to-device copy."""
+    rows = [row for row, ids in enumerate(per_row) if ids for _ in ids]
+    cols = [i for ids in per_row if ids for i in ids]
+    where = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+    return where[0], where[1]
+
+
 def _counts(ids: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
     """[S, V] occurrence counts of the (padded with -1) token ids of each row, built where the
     logits are (the ids cross, not an [S, V] table)."""
@@ -315,32 +324,27 @@ class Sampler:
         constrained = [i for i, g in enumerate(batch.grammars) if g is not None]
         if constrained:
             self.grammar_backend.apply(logits, constrained, [batch.grammars[i] for i in constrained])
-        for row, allowed in enumerate(batch.allowed):
-            if allowed is not None:
-                keep = torch.full_like(logits[row], neg_inf)
-                keep[allowed] = 0.0
-                logits[row] += keep
+        # each kind of per-row constraint goes in as one indexed write: an index tensor per row
+        # would be a host-to-device copy and a launch per row on a GPU
+        with_allowed = [row for row, allowed in enumerate(batch.allowed) if allowed is not None]
+        if with_allowed:
+            rows, cols = _row_token_index([batch.allowed[row] for row in with_allowed], logits.device)
+            keep = torch.full((len(with_allowed), logits.shape[1]), neg_inf, dtype=logits.dtype,
+                              device=logits.device)
+            keep[rows, cols] = 0.0
+            logits[with_allowed] += keep
         if any(batch.bias):
-            # every row's biases in one indexed add: an index tensor per row is a host-to-device
-            # copy per row on a GPU
-            rows, cols, vals = [], [], []
-            for row, bias in enumerate(batch.bias):
-                if bias:
-                    rows += [row] * len(bias)
-                    cols += bias.keys()
-                    vals += bias.values()
-            where = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
-            logits.index_put_((where[0], where[1]), torch.tensor(vals, dtype=logits.dtype).to(logits.device),
+            rows, cols = _row_token_index(batch.bias, logits.device)
+            vals = [v for bias in batch.bias if bias for v in bias.values()]
+            logits.index_put_((rows, cols), torch.tensor(vals, dtype=logits.dtype).to(logits.device),
                               accumulate=True)
         if batch.output_ids is not None:
             logits = apply_penalties(logits, batch)
         if any(batch.banned):
-            # likewise one indexed write for every row's bans: min_tokens bans the stop tokens of
-            # every row still short of it, every step (benchmarks send min_tokens = max_tokens)
-            rows = [row for row, ids in enumerate(batch.banned) for _ in ids]
-            cols = [i for ids in batch.banned for i in ids]
-            where = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device)
-            logits[where[0], where[1]] = neg_inf
+            # min_tokens bans the stop tokens of every row still short of it, every step
+            # (benchmarks send min_tokens = max_tokens)
+            rows, cols = _row_token_index(batch.banned, logits.device)
+            logits[rows, cols] = neg_inf
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
