@@ -192,13 +192,16 @@ def build_engine(hf, device: str, dtype_name: str, *, max_num_seqs: int, max_mod
     return engine, startup
 
 
-def engine_generate(engine, prompts: list[list[int]], max_tokens: list[int], step_times=None):
+def engine_generate(engine, prompts: list[list[int]], max_tokens: list[int], step_times=None,
+                    sampling: dict | None = None):
+    """Greedy (or ``sampling``'s parameters) tokens of each prompt, with each step's wall time
+    in ``step_times``."""
     from tianxia.sampling_params import SamplingParams
 
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(
             f"r{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
-            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False),
+            SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=m, ignore_eos=True, detokenize=False),
         )
     outs = {}
     order = list(engine.requests)
@@ -521,6 +524,22 @@ def tianxia_phase(engine, shape: str, args, work, ref: dict) -> dict:
         steps: list[float] = []
         engine_generate(engine, [prompt], [n], steps)
         d["engine_ms_per_token"] = sum(steps[1:]) / len(steps[1:]) * 1e3
+        # what users run: sampled decoding; and each without async scheduling (the host's work
+        # between two steps not hidden)
+        for key, sampling in (("engine_sampled_ms_per_token", {"temperature": 0.8, "top_p": 0.95}),):
+            steps = []
+            engine_generate(engine, [prompt], [n], steps, sampling)
+            d[key] = sum(steps[1:]) / len(steps[1:]) * 1e3
+        if getattr(engine, "async_scheduling", False):
+            engine.async_scheduling = False
+            try:
+                for key, sampling in (("engine_sync_ms_per_token", None),
+                                      ("engine_sync_sampled_ms_per_token", {"temperature": 0.8, "top_p": 0.95})):
+                    steps = []
+                    engine_generate(engine, [prompt], [n], steps, sampling)
+                    d[key] = sum(steps[1:]) / len(steps[1:]) * 1e3
+            finally:
+                engine.async_scheduling = True
         gr = engine.runner.graph_runner
         if gr is not None and gr.graphs:
             d["graph_ms_per_token"] = _time_graph(gr.graphs[1]) * 1e3
@@ -737,6 +756,9 @@ def report() -> str:
             for k, label in [("graph_gemv_ms_per_token", "tianxia decode graph, GPU time, Triton GEMV projections"),
                              ("graph_cublas_ms_per_token", "tianxia decode graph, GPU time, cuBLAS projections"),
                              ("engine_ms_per_token", "tianxia engine, end to end (CUDA graphs)"),
+                             ("engine_sampled_ms_per_token", "the same, temperature 0.8, top-p 0.95"),
+                             ("engine_sync_ms_per_token", "the same greedy, without async scheduling"),
+                             ("engine_sync_sampled_ms_per_token", "the same sampled, without async scheduling"),
                              ("fused_eager_ms_per_token", "tianxia engine, fused kernels, no graphs"),
                              ("eager_ms_per_token", "tianxia engine, --enforce-eager"),
                              ("hf_ms_per_token", "transformers generate")]:

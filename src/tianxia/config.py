@@ -207,6 +207,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    # launch a step of decodes before the previous one's tokens are read (engine/overlap.py);
+    # None: on where decode steps are CUDA graphs, with one rank and no speculative decoding
+    async_scheduling: bool | None = None
     quantization: str = "auto"  # see QUANTIZATION_METHODS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     # fp8 KV cache: per-layer K/V scales from a calibration prefill at start-up (None: on for an
@@ -262,6 +265,11 @@ class EngineConfig:
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("--nnodes > 1 needs --master-port (the same on every node, as --master-addr: "
                              "rank 0's address)")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("--async-scheduling cannot be combined with speculative decoding yet "
+                             "(a step's proposals depend on the previous step's tokens)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling cannot be combined with --tensor-parallel-size > 1 yet")
         if self.cpu_offload_gb < 0:
             raise ValueError(f"--cpu-offload-gb must be at least 0; got {self.cpu_offload_gb}")
         if self.cpu_offload_gb and self.tensor_parallel_size > 1:

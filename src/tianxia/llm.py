@@ -61,6 +61,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -74,6 +75,7 @@ class LLM:
             calculate_kv_scales=calculate_kv_scales,
             cpu_activations=cpu_activations,
             batch_invariant=batch_invariant,
+            async_scheduling=async_scheduling,
             speculative=SpeculativeConfig.parse(speculative_config),
             tensor_parallel_size=tensor_parallel_size,
             cpu_offload_gb=cpu_offload_gb,

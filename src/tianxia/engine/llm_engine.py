@@ -15,6 +15,7 @@ from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
+from tianxia.engine.overlap import LaunchedStep, next_step
 from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
@@ -348,6 +349,15 @@ class LLMEngine:
         if config.speculative is not None:
             self.speculator = self._make_speculator(config.speculative, loaded)
             self.scheduler.speculator = self.speculator
+        # by default where steps are CUDA graphs: there the host's work between two steps is the
+        # GPU's idle time, unless the next step is launched first
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.graph_runner is not None and tp is None
+                                 and self.speculator is None)
+        self._launched: LaunchedStep | None = None  # the step launched ahead (async scheduling)
+        self.num_steps_ahead = 0  # steps launched before their predecessor was applied
+        if self.async_scheduling:
+            logger.info("async scheduling: each step launches the next before its tokens are read")
         logger.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens (%.2f GiB, %d bytes/token); "
             "max concurrency at max_model_len=%d: %.1f",
@@ -516,31 +526,45 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass. A request that fails in it (NaN logits, a detokenizer or grammar
         error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
-        :attr:`failed` until the next step."""
+        :attr:`failed` until the next step.
+
+        With async scheduling the step applied may have been launched by the previous call, and
+        this call launches its successor before applying it (``engine/overlap.py``)."""
         self.failed.clear()
-        started = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        out = self.scheduler.schedule()
         touched: dict[str, None] = {}
-        for seq in out.rejected:
-            seq.finish_reason = "abort"
-            seq.stop_reason = "the request does not fit in the KV cache"
-            self.scheduler.finish(seq)
-            touched[seq.request_id] = None
-        if not out.scheduled:
-            return [self._output(rid) for rid in touched if rid in self.requests]
+        decodes = False
+        launched, self._launched = self._launched, None
+        if launched is not None and not launched.live():
+            launched = None  # every sequence of it ended meanwhile (aborts): nothing to apply
         spec = self.speculator
-        if spec is not None:
-            spec.fill(out.scheduled)
-            # a step of decodes (each one token, or one plus its proposals) counts in the time budget
-            decodes = all(n == 1 + len(seq.spec_token_ids) and seq.num_output_tokens for seq, n in out.scheduled)
-            drafts, accepted = spec.num_drafts, spec.num_accepted_tokens
-        out.forks = self._fork(out.scheduled)
-        result = self.runner.execute(self.scheduler.step_input(out))
-        touched.update(dict.fromkeys(self.scheduler.update(out, result, self)))
+        if launched is None:
+            started = time.perf_counter()
+            if spec is not None:
+                spec.propose(self.scheduler.running)
+            out = self.scheduler.schedule()
+            for seq in out.rejected:
+                seq.finish_reason = "abort"
+                seq.stop_reason = "the request does not fit in the KV cache"
+                self.scheduler.finish(seq)
+                touched[seq.request_id] = None
+            if not out.scheduled:
+                return [self._output(rid) for rid in touched if rid in self.requests]
+            if spec is not None:
+                spec.fill(out.scheduled)
+                # a step of decodes (each one token, or one plus its proposals) counts in the time budget
+                decodes = all(n == 1 + len(seq.spec_token_ids) and seq.num_output_tokens for seq, n in out.scheduled)
+                drafts, accepted = spec.num_drafts, spec.num_accepted_tokens
+            out.forks = self._fork(out.scheduled)
+            step = self.scheduler.step_input(out)
+            launched = LaunchedStep(out, step, self.runner.execute(step))
+        if self.async_scheduling:
+            nxt = next_step(self.scheduler, launched)
+            if nxt is not None:
+                self._launched = LaunchedStep(*nxt, self.runner.execute(nxt[1]))
+                self.num_steps_ahead += 1
+        touched.update(dict.fromkeys(self.scheduler.update(launched.out, launched.result, self)))
         if spec is not None and decodes:
-            spec.observe(time.perf_counter() - started, len(out.scheduled), spec.num_drafts > drafts,
+            spec.observe(time.perf_counter() - started, len(launched.out.scheduled), spec.num_drafts > drafts,
                          spec.num_accepted_tokens - accepted)
         return [self._output(rid) for rid in touched if rid in self.requests]
 

@@ -26,11 +26,12 @@ from itertools import groupby
 import torch
 
 from tianxia.config import CacheConfig, ModelConfig
-from tianxia.engine.step_io import RequestFailure, RunnerOutput, StepInput, TokenRun, prepare_batch
+from tianxia.engine.step_io import (NAN_LOGITS, NO_ADMISSIBLE_TOKEN, DeviceTokens, RequestFailure, RunnerOutput,
+                                    StepInput, TokenRun, prepare_batch)
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.attention.backend import attention_modules
 from tianxia.layers.lora import LoRAState
-from tianxia.layers.sampler import Sampler
+from tianxia.layers.sampler import Sampler, to_device
 from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
 from tianxia.loader.layer_split import layer_split_of
 from tianxia.quant.kv_blocks import kv_row_bytes
@@ -38,11 +39,6 @@ from tianxia.quant.kv_blocks import kv_row_bytes
 logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
-
-NO_ADMISSIBLE_TOKEN = (
-    "no token of the vocabulary satisfies this request's constraints "
-    "(guided decoding, allowed_token_ids, bad_words, min_tokens) at this point"
-)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
@@ -95,6 +91,9 @@ class ModelRunner:
         self.route_counts: Counter[str] = Counter()  # steps per route: graph, fused, eager
         self.lora: LoRAState | None = None  # the adapters' grouped product (--enable-lora)
         self.fused_lora = False  # whether the fused decode step adds the adapters' deltas itself
+        # the last step's sampled ids (on the device where it sampled there): the input tokens of
+        # a step prepared before they were read (StepInput.prev_rows)
+        self._prev_tokens: torch.Tensor | None = None
 
     def _allocate_kv(self, config: ModelConfig, num_layers: int, kv_dtype: torch.dtype | str,
                      device: torch.device) -> torch.Tensor:
@@ -123,19 +122,29 @@ class ModelRunner:
         # element (16 bytes): Triton specializes a kernel on its pointers' 16-byte alignment, so
         # parts at odd offsets would compile a second variant of every kernel mid-serving
         t_pad, s_pad = [0] * (T % 2), [0] * (S % 2)
+        prev = [] if step.prev_rows is None else step.prev_rows + t_pad
         flat = (step.input_ids + t_pad + step.positions + t_pad + step.slot_mapping + t_pad
-                + step.seq_lens + s_pad)
+                + step.seq_lens + s_pad + prev)
         for table in step.block_tables:
             flat += table
             flat += [0] * (max_blocks - len(table))
-        buf = torch.tensor(flat, dtype=torch.int64).to(self.device)
+        # pinned and not waited for: the previous step may still be running
+        buf = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
         T2, S2 = T + len(t_pad), S + len(s_pad)
+        ids = buf[:T]
+        if step.prev_rows is not None:
+            last = self._prev_tokens
+            if last.device != buf.device:
+                last = to_device(last, buf.device)
+            rows = buf[3 * T2 + S2 : 3 * T2 + S2 + T]
+            # -1: a row with its own token (a prompt chunk's)
+            ids = last[rows] if min(step.prev_rows) >= 0 else torch.where(rows >= 0, last[rows.clamp(min=0)], ids)
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=buf[2 * T2 : 2 * T2 + T],
-            block_tables=buf[3 * T2 + S2 :].view(S, max_blocks),
+            block_tables=buf[3 * T2 + S2 + len(prev) :].view(S, max_blocks),
             seq_lens=step.seq_lens,
             query_lens=step.query_lens,
             query_start_loc=starts,
@@ -143,11 +152,13 @@ class ModelRunner:
             seq_lens_tensor=buf[3 * T2 : 3 * T2 + S],
             block_size=self.block_size,
         )
-        return buf[:T], buf[T2 : T2 + T], meta
+        return ids, buf[T2 : T2 + T], meta
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> RunnerOutput:
-        """Run one step and sample its sampled rows (``step.sample_rows``)."""
+        """Run one step and sample its sampled rows (``step.sample_rows``). On a GPU a step whose
+        rows ask for no logprobs returns without waiting for its kernels: its ids reach the host
+        when ``RunnerOutput.tokens`` reads them."""
         self.copy_blocks(step.copies)
         # a step that verifies proposals runs as the decode graphs' one-token rows where it can
         flat = self._as_decodes(step, verification=True)
@@ -203,13 +214,18 @@ class ModelRunner:
         if drafted:
             self._verify(logits, step, result)
             return result
+        if deferred and all(k is None for k in step.sampling.num_logprobs):
+            tokens, dead = self.sampler.sample_on_device(logits, step.sampling)
+            result.sampled_token_ids = self._prev_tokens = tokens
+            result.pending = DeviceTokens(tokens, nan_rows, dead)
+            return result
         out = self.sampler(logits, step.sampling)
         if deferred:
             self._drop_nan_rows(logits, nan_rows, step.sample_seq_ids, result)
         for i in out.dead_rows:
             result.errors.setdefault(step.sample_seq_ids[i],
                                      RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
-        result.sampled_token_ids = torch.tensor(out.tokens, dtype=torch.int64)
+        result.sampled_token_ids = self._prev_tokens = torch.tensor(out.tokens, dtype=torch.int64)
         for sid, lp in zip(step.sample_seq_ids, out.logprobs):
             if lp is not None and sid not in result.errors:
                 result.logprobs[sid] = lp
@@ -302,7 +318,7 @@ class ModelRunner:
         if not bool(nan_rows.any()):
             return logits
         for i in nan_rows.nonzero().flatten().tolist():
-            result.errors[seq_ids[i]] = RequestFailure("the model produced NaN logits for this request")
+            result.errors[seq_ids[i]] = RequestFailure(NAN_LOGITS)
         return logits.masked_fill(nan_rows[:, None], 0.0)
 
     # --- decode routes ------------------------------------------------------------------------

@@ -129,10 +129,16 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        preempted_this_step = out.num_preempted > 0
+        if not out.num_preempted:  # memory is short right now: admitting more would only thrash
+            self.admit(out, budget)
+        out.copies, bm.pending_copies = bm.pending_copies, []
+        return out
+
+    def admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences first-come first-served into ``out`` while the token budget,
+        sequence slots and KV blocks last; the budget left."""
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if preempted_this_step:
-                break  # memory is short right now; admitting more would only thrash
             seq = self.waiting[0]
             if seq.lora_slot >= 0 and not self._lora_fits(seq.lora_slot):
                 break  # its adapter would be one too many in the batch: it waits its turn
@@ -155,8 +161,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
-        out.copies, bm.pending_copies = bm.pending_copies, []
-        return out
+        return budget
 
     def _lora_fits(self, slot: int) -> bool:
         active = {s.lora_slot for s in self.running if s.lora_slot >= 0}
@@ -185,8 +190,8 @@ class Scheduler:
         """Apply a step's results to its sequences; the ids of the requests it touched (new
         tokens, an end, an error), in the order of the step."""
         now = time.monotonic()
-        # the one read of the sampled ids on the host: with step N+1 prepared while step N runs,
-        # this is where the host would first wait for step N
+        # the one read of the sampled ids on the host: with async scheduling step N+1 is already
+        # launched, and this is where the host first waits for step N
         tokens = result.tokens()
         touched: dict[str, None] = {}
         bm = self.block_manager

@@ -5,8 +5,10 @@ block tables, adapter slots, the rows to sample and how, the proposals to verify
 reads nothing else, runs the step and returns a :class:`RunnerOutput` (sampled ids, logprobs,
 accepted proposals, per-sequence errors), which ``Scheduler.update`` applies to the sequences.
 This is vLLM V1's ``SchedulerOutput -> ModelRunner.execute_model -> ModelRunnerOutput ->
-Scheduler.update_from_output``, and the seam where step N+1 can be prepared while step N runs:
-nothing here refers to state that the step itself changes.
+Scheduler.update_from_output``, and the seam where step N+1 is prepared while step N runs
+(``engine/overlap.py``): nothing here refers to state that the step itself changes, a step's
+input tokens may be the previous step's sampled ids where they still are on the device
+(``StepInput.prev_rows``), and a step's output may hold its ids there until ``update`` reads them.
 
 Two per-request objects still travel by reference inside the sampling inputs: each seeded row's
 ``torch.Generator`` and each constrained row's grammar matcher, both read (and advanced) by the
@@ -27,6 +29,13 @@ from tianxia.layers.sampler import SamplingBatch
 
 # (top token ids, their logprobs, the chosen token's logprob, its rank)
 TokenLogprobs = tuple[list[int], list[float], float, int]
+
+
+NO_ADMISSIBLE_TOKEN = (
+    "no token of the vocabulary satisfies this request's constraints "
+    "(guided decoding, allowed_token_ids, bad_words, min_tokens) at this point"
+)
+NAN_LOGITS = "the model produced NaN logits for this request"
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,10 @@ class StepInput:
     # a prompt chunk owes prompt logprobs: every row's hidden state is needed
     all_rows: bool = False
     fault_nan_rows: list[int] = field(default_factory=list)  # sampled rows made NaN (fault injection)
+    # a step prepared before its previous one's tokens were read: row i's input token is row
+    # prev_rows[i] of the previous step's sampled ids, which the runner still holds on the device
+    # (``input_ids`` holds placeholders there)
+    prev_rows: list[int] | None = None
 
     def batch_only(self) -> StepInput:
         """The batch without what only the sampling rank reads: what a tensor-parallel worker
@@ -132,13 +145,52 @@ class RunnerOutput:
     # sequences that verified proposals: their accepted proposals, then one more token
     accepted: dict[int, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # a step sampled on the device and not waited for: its ids and row flags on their way to the
+    # host, read by :meth:`tokens`
+    pending: DeviceTokens | None = None
 
     def tokens(self) -> dict[int, int]:
         """Sequence id -> its sampled token, for the sequences that got one (not in ``errors``)."""
-        if self.sampled_token_ids is None:
+        if self.pending is not None:
+            ids = self.pending.wait(self)
+            self.pending = None
+        elif self.sampled_token_ids is None:
             return {}
-        ids = self.sampled_token_ids.tolist()
+        else:
+            ids = self.sampled_token_ids.tolist()
         return {sid: t for sid, t in zip(self.seq_ids, ids) if t >= 0 and sid not in self.errors}
+
+
+class DeviceTokens:
+    """A step's sampled ids and per-row flags (NaN logits, no admissible token), copied from the
+    device to pinned host memory behind the step's kernels: the host waits for them only when it
+    reads them, so it may launch the next step first."""
+
+    NAN, DEAD = 1, 2
+
+    def __init__(self, tokens: torch.Tensor, nan_rows: torch.Tensor, dead_rows: torch.Tensor | None) -> None:
+        flags = nan_rows.to(torch.int64) * self.NAN
+        if dead_rows is not None:
+            flags = flags + dead_rows.to(torch.int64) * self.DEAD
+        both = torch.stack([tokens, flags])
+        self.host = torch.empty(both.shape, dtype=torch.int64, pin_memory=both.is_cuda)
+        self.host.copy_(both, non_blocking=True)
+        self.event = None
+        if both.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self, out: RunnerOutput) -> list[int]:
+        """The ids, once copied; a flagged row's sequence gets its error in ``out.errors``."""
+        if self.event is not None:
+            self.event.synchronize()
+        ids, flags = self.host.tolist()
+        for sid, flag in zip(out.seq_ids, flags):
+            if flag & self.NAN:
+                out.errors[sid] = RequestFailure(NAN_LOGITS)
+            elif flag & self.DEAD:
+                out.errors.setdefault(sid, RequestFailure(NO_ADMISSIBLE_TOKEN, invalid_request=True))
+        return ids
 
 
 def prepare_batch(scheduled: Iterable[tuple[BatchItem, int]],

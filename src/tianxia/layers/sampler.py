@@ -64,7 +64,13 @@ class SamplingBatch:
     steps: list[int]  # per row: its position in that stream (the number of tokens it has)
 
     @classmethod
-    def from_sequences(cls, seqs: list[SampledRow], eos_ids: tuple[int, ...]) -> SamplingBatch:
+    def from_sequences(cls, seqs: list[SampledRow], eos_ids: tuple[int, ...],
+                       ahead: int | list[int] = 0) -> SamplingBatch:
+        """``ahead`` (per row, or one for all): how many tokens past its outputs so far a row
+        samples (a step scheduled before the previous one's tokens are appended; penalties and
+        bad words, which read those tokens, are not allowed there)."""
+        if isinstance(ahead, int):
+            ahead = [ahead] * len(seqs)
         # a step samples a few hundred rows that share a handful of SamplingParams (a request's
         # n siblings, clients at their defaults): each distinct one is read once, and the numbers
         # cross into one tensor (building this batch is on the host's path of every decode step)
@@ -84,9 +90,9 @@ class SamplingBatch:
             rep = [s.prompt_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
             prompt_ids = _pad(rep)
         banned = []
-        for s in seqs:
+        for s, extra in zip(seqs, ahead):
             ids: list[int] = []
-            if s.num_output_tokens < s.params.min_tokens:
+            if s.num_output_tokens + extra < s.params.min_tokens:
                 ids.extend((*eos_ids, *s.params.stop_token_ids))
             if s.bad_words_ids:
                 ids.extend(_bad_word_bans(s.output_token_ids, s.bad_words_ids))
@@ -113,7 +119,7 @@ class SamplingBatch:
             any_top_p=any(t[0][2] < 1.0 for t in distinct),
             any_min_p=any(t[0][3] > 0.0 for t in distinct),
             seeds=[s.sample_seed for s in seqs],
-            steps=[s.num_output_tokens for s in seqs],
+            steps=[s.num_output_tokens + extra for s, extra in zip(seqs, ahead)],
         )
 
 
@@ -150,8 +156,17 @@ def _row_token_index(per_row: list, device: torch.device) -> tuple[torch.Tensor,
     host-to-device copy."""
     rows = [row for row, ids in enumerate(per_row) if ids for _ in ids]
     cols = [i for ids in per_row if ids for i in ids]
-    where = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+    where = to_device(torch.tensor([rows, cols], dtype=torch.int64), device)
     return where[0], where[1]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the kernels queued there: a blocking copy
+    to a GPU waits for the whole stream, which would stall a step launched ahead of its
+    predecessor's end (the copy goes from pinned memory instead)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _counts(ids: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -319,6 +334,20 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, batch), dead_rows)
 
+    def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[rows] int64 tokens left on the logits' device, and the rows left with no admissible
+        token (None where no row is constrained), with no host sync: the caller copies them back
+        when it needs them. For logits :meth:`samples_on_device` takes, with no logprobs asked."""
+        logits = self.process(logits.float(), batch)
+        dead = None
+        if (any(g is not None for g in batch.grammars) or any(batch.banned)
+                or any(a is not None for a in batch.allowed)):
+            dead = torch.isneginf(logits).all(dim=-1)
+            logits.masked_fill_(dead[:, None], 0.0)  # sample something harmless; the caller drops these rows
+        if batch.all_greedy:
+            return logits.argmax(dim=-1), dead
+        return self._draw_on_device(logits, batch), dead
+
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         neg_inf = float("-inf")
         constrained = [i for i, g in enumerate(batch.grammars) if g is not None]
@@ -336,7 +365,7 @@ class Sampler:
         if any(batch.bias):
             rows, cols = _row_token_index(batch.bias, logits.device)
             vals = [v for bias in batch.bias if bias for v in bias.values()]
-            logits.index_put_((rows, cols), torch.tensor(vals, dtype=logits.dtype).to(logits.device),
+            logits.index_put_((rows, cols), to_device(torch.tensor(vals, dtype=logits.dtype), logits.device),
                               accumulate=True)
         if batch.output_ids is not None:
             logits = apply_penalties(logits, batch)
@@ -347,19 +376,22 @@ class Sampler:
             logits[rows, cols] = neg_inf
         return logits
 
+    def _draw_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # temperature and min-p as on the host path, then the truncation thresholds and the
+        # Gumbel-max draw in Triton (no sort, no host noise, no host sync): replayed from the
+        # sampler's graphs where there are some, launched otherwise
+        top_k, top_p = _truncation(batch)
+        numbers = torch.stack([batch.temperature, top_k.float(), top_p, batch.min_p])
+        kind = batch_kind(top_k, batch.any_top_k, batch.any_top_p, batch.any_min_p, logits.shape[1])
+        keys = row_keys(self.keys, batch.seeds, batch.steps)
+        if self.graphs is not None and self.graphs.fits(logits):
+            return self.graphs.sample(logits, numbers, keys, kind)
+        dev = logits.device
+        return draw(logits, to_device(numbers, dev), to_device(keys, dev), kind)
+
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if self.samples_on_device(logits):
-            # temperature and min-p as on the host path, then the truncation thresholds and the
-            # Gumbel-max draw in Triton (no sort, no host noise, no host sync): replayed from the
-            # sampler's graphs where there are some, launched otherwise
-            top_k, top_p = _truncation(batch)
-            numbers = torch.stack([batch.temperature, top_k.float(), top_p, batch.min_p])
-            kind = batch_kind(top_k, batch.any_top_k, batch.any_top_p, batch.any_min_p, logits.shape[1])
-            keys = row_keys(self.keys, batch.seeds, batch.steps)
-            if self.graphs is not None and self.graphs.fits(logits):
-                return self.graphs.sample(logits, numbers, keys, kind).cpu()
-            dev = logits.device
-            return draw(logits, numbers.to(dev, non_blocking=True), keys.to(dev, non_blocking=True), kind).cpu()
+            return self._draw_on_device(logits, batch).cpu()
         greedy_cpu = batch.temperature == 0
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits

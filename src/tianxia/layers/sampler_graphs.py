@@ -93,8 +93,13 @@ class SamplerGraphs:
         self.keys = torch.zeros(P, 2, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(P, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        self._numbers_host = torch.zeros(4, P, dtype=torch.float32, pin_memory=pin)
-        self._keys_host = torch.zeros(P, 2, dtype=torch.int64, pin_memory=pin)
+        # two sets of host staging buffers, taken in turn: a step launched before the previous
+        # one ran must not overwrite what that step's copy has yet to read (each set's event
+        # marks its copy done)
+        self._staging = [(torch.zeros(4, P, dtype=torch.float32, pin_memory=pin),
+                          torch.zeros(P, 2, dtype=torch.int64, pin_memory=pin),
+                          torch.cuda.Event() if pin else None) for _ in range(2)]
+        self._turn = 0
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[tuple[int, BatchKind], torch.cuda.CUDAGraph] = {}
         self.compiled: set[BatchKind] = set()
@@ -111,12 +116,18 @@ class SamplerGraphs:
         p = next(s for s in self.ladder if s >= B)
         if logits.data_ptr() != self.logits.data_ptr() or logits.stride() != self.logits.stride():
             self.logits[:B].copy_(logits)
+        numbers_host, keys_host, copied = self._staging[self._turn]
+        self._turn ^= 1
+        if copied is not None:
+            copied.synchronize()
         # padding rows are greedy: nothing to search for, and their token is never read
-        self._numbers_host[:, :B] = numbers
-        self._numbers_host[:, B:p] = 0.0
-        self._keys_host[:B] = keys
-        self.numbers.copy_(self._numbers_host, non_blocking=True)
-        self.keys[:p].copy_(self._keys_host[:p], non_blocking=True)
+        numbers_host[:, :B] = numbers
+        numbers_host[:, B:p] = 0.0
+        keys_host[:B] = keys
+        self.numbers.copy_(numbers_host, non_blocking=True)
+        self.keys[:p].copy_(keys_host[:p], non_blocking=True)
+        if copied is not None:
+            copied.record()
         graph = self.graphs.get((p, kind))
         if graph is not None:
             graph.replay()

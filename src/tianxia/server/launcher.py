@@ -163,6 +163,11 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
         "--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs"
     )
     p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="launch each step of decodes before the previous one's tokens are read, so the host's "
+             "work overlaps the GPU's (default: on where decode steps are CUDA graphs)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         help="Jinja chat template (a file or the template itself) overriding the model's",
@@ -380,6 +385,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             max_model_len=args.max_model_len or 0,
         ),
         enforce_eager=getattr(args, "enforce_eager", False),
+        async_scheduling=getattr(args, "async_scheduling", None),
         quantization=args.quantization,
         kv_cache_dtype=kv_cache_dtype_from_args(args),
         calculate_kv_scales=args.calculate_kv_scales,
