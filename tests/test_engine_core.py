@@ -88,11 +88,15 @@ def offline_texts(smollm2_llm):
     return [o.outputs[0].text for o in outs]
 
 
-def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts):
-    srv = ServerProcess([*ARGS, "--shutdown-timeout", "300"]).start()  # drains on a loaded CPU
+# and with async scheduling (on by default on a GPU), whose steps are launched before the
+# previous step's tokens are read
+@pytest.mark.parametrize("scheduling", [[], ["--async-scheduling"]], ids=["plain", "async"])
+def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts, scheduling):
+    srv = ServerProcess([*ARGS, *scheduling, "--shutdown-timeout", "300"]).start()  # drains on a loaded CPU
     try:
         (pid,) = core_pids(srv)
         assert alive(pid) and pid != srv.proc.pid
+        assert ("async scheduling:" in srv.log()) == bool(scheduling)
         assert greedy_texts(srv.url) == offline_texts
 
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
