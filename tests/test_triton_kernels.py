@@ -742,6 +742,51 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
     _same_tokens_and_logprobs(eager, routed)
 
 
+@pytest.mark.skipif(CUDA, reason="test_async_scheduling runs it on the GPU, captured")
+def test_steps_launched_ahead_through_the_gpu_route(family_models, monkeypatch):
+    """Async scheduling over the GPU's route (uncaptured decode graphs, the Triton backend and
+    the sampler's Triton draw, as above): ids stay on the device (DeviceTokens), each step is
+    launched before the previous one's are read, its decode rows reading them where they are
+    beside the prompt rows of requests that arrive meanwhile, and every request gets the seeded
+    tokens it gets without async scheduling."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine.cuda_graph import CudaGraphRunner
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models("qwen2")), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=16, max_model_len=64, async_scheduling=True)
+    cfg, engine, runner = llm.engine.model_config, llm.engine, llm.engine.runner
+    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+    runner.graph_runner = CudaGraphRunner(step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads,
+                                          block_size=4, max_num_seqs=16, max_model_len=64, device=DEV,
+                                          variants=step.variants, set_variant=step.set_variant, use_graphs=False)
+    runner.graph_runner.capture()
+    runner.sampler.device_kernels = True
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=6, ignore_eos=True)
+    engine.async_scheduling = False
+    plain = _staggered(llm, prompts, params, "plain")
+    engine.async_scheduling = True
+    seen = []
+    execute = runner.execute
+
+    def watch(s):
+        result = execute(s)
+        seen.append((s.prev_rows is not None, result.pending is not None))
+        return result
+
+    runner.execute = watch
+    try:
+        ahead = _staggered(llm, prompts, params, "ahead")
+    finally:
+        del runner.execute
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in plain]
+    assert all(pending for _, pending in seen) and sum(prev for prev, _ in seen) >= 5, seen
+    assert runner.route_counts["eager"] == 0
+
+
 # --- the batch-invariant mode (--batch-invariant) ---------------------------------------------------
 
 

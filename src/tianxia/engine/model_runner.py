@@ -208,7 +208,7 @@ class ModelRunner:
         drafted = step.spec_groups is not None
         # on the GPU the NaN rows are looked for after sampling: no host sync between the forward
         # and the sampler, whose kernels the host launches meanwhile
-        deferred = not drafted and logits.is_cuda and self.sampler.samples_on_device(logits)
+        deferred = not drafted and self.sampler.samples_on_device(logits)
         if not deferred:
             logits = self._drop_nan_rows(logits, nan_rows, step.sample_seq_ids, result)
         if drafted:
