@@ -105,6 +105,22 @@ def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts, sched
             stream=True, temperature=0))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
+        # every step the core runs counts in the per-step histograms, those launched ahead too:
+        # a request's prompt tokens (less the cached) and each output token but the last
+        def step_tokens() -> tuple[float, float]:
+            text = httpx.get(srv.url + "/metrics").text
+            return (metric(text, "vllm:iteration_tokens_total_sum", model_name=MODEL),
+                    metric(text, "vllm:iteration_tokens_total_count", model_name=MODEL))
+
+        tokens_before, steps_before = step_tokens()
+        usage = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "A short history of rivers:", "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0}).json()["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        computed = usage["prompt_tokens"] - cached + usage["completion_tokens"] - 1
+        wait_until(lambda: step_tokens()[0] - tokens_before == computed, 5, "the request's steps counted")
+        assert step_tokens()[1] - steps_before >= usage["completion_tokens"] - 1
+
         # a client that leaves: its request is aborted in the core and its blocks are freed
         body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 400,
                 "ignore_eos": True, "stream": True}

@@ -430,10 +430,8 @@ class AsyncLLMEngine(EngineClient):
         self._dead: BaseException | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
         self._deltas = DeltaMaker()  # engine-thread side only
-        self._last_sched: Any = None
         self.num_steps = 0
         self._publish_stats()
-        self._hook_scheduler()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -489,20 +487,6 @@ class AsyncLLMEngine(EngineClient):
         return await self.call(lambda engine: getattr(engine, name)(*args))
 
     # --- the engine thread --------------------------------------------------------------------
-
-    def _hook_scheduler(self) -> None:
-        """Remember each step's scheduler output, for per-step batch statistics."""
-        scheduler = getattr(self.engine, "scheduler", None)
-        schedule = getattr(scheduler, "schedule", None)
-        if schedule is None:
-            return
-
-        def schedule_and_record():
-            out = schedule()
-            self._last_sched = out
-            return out
-
-        scheduler.schedule = schedule_and_record
 
     def _publish_stats(self, adds_taken: int = 0) -> None:
         try:
@@ -662,11 +646,10 @@ class AsyncLLMEngine(EngineClient):
             logger.exception("stats listener failed")
 
     def _step(self) -> None:
-        self._last_sched = None
         t0 = time.monotonic()
         outputs = self.engine.step()
         now = time.monotonic()
-        sched = self._last_sched
+        sched = getattr(self.engine, "last_applied", None)
         self.num_steps += 1
         if sched is not None:
             scheduled = getattr(sched, "scheduled", [])

@@ -19,7 +19,7 @@ from tianxia.engine.overlap import LaunchedStep, next_step
 from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
-from tianxia.engine.scheduler import Scheduler
+from tianxia.engine.scheduler import Scheduler, SchedulerOutput
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.attention import get_backend
 from tianxia.layers.linear import use_row_invariant_linears
@@ -356,6 +356,9 @@ class LLMEngine:
                                  and self.speculator is None)
         self._launched: LaunchedStep | None = None  # the step launched ahead (async scheduling)
         self.num_steps_ahead = 0  # steps launched before their predecessor was applied
+        # the scheduler output the last step() applied (None when it ran nothing): per-step
+        # statistics read it, whichever path (schedule() or launched ahead) produced the step
+        self.last_applied: SchedulerOutput | None = None
         if self.async_scheduling:
             logger.info("async scheduling: each step launches the next before its tokens are read")
         logger.info(
@@ -531,6 +534,7 @@ class LLMEngine:
         With async scheduling the step applied may have been launched by the previous call, and
         this call launches its successor before applying it (``engine/overlap.py``)."""
         self.failed.clear()
+        self.last_applied = None
         touched: dict[str, None] = {}
         decodes = False
         launched, self._launched = self._launched, None
@@ -562,6 +566,7 @@ class LLMEngine:
             if nxt is not None:
                 self._launched = LaunchedStep(*nxt, self.runner.execute(nxt[1]))
                 self.num_steps_ahead += 1
+        self.last_applied = launched.out
         touched.update(dict.fromkeys(self.scheduler.update(launched.out, launched.result, self)))
         if spec is not None and decodes:
             spec.observe(time.perf_counter() - started, len(launched.out.scheduled), spec.num_drafts > drafts,
