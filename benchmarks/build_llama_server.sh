@@ -5,6 +5,7 @@
 #   benchmarks/build_llama_server.sh            # -> /work/llama.cpp-build/bin/llama-server
 #   LLAMA_BUILD_DIR=/elsewhere LLAMA_CPP_PYTHON_VERSION=0.3.36 benchmarks/build_llama_server.sh
 #   TARGETS="llama-server llama-perplexity" benchmarks/build_llama_server.sh   # more of its tools
+#   LLAMA_NO_AMX=1 LLAMA_BUILD_DIR=/work/llama.cpp-noamx benchmarks/build_llama_server.sh
 #
 # Needs cmake, a C/C++ compiler and pip (for `pip download`). Native CPU flags (GGML_NATIVE=ON),
 # no libcurl (models are local files). Takes ~10-20 minutes on 2 cores.
@@ -39,10 +40,26 @@ fi
 LLAMA_SRC="$SRC/vendor/llama.cpp"
 test -f "$LLAMA_SRC/CMakeLists.txt" || { echo "no vendored llama.cpp in $SRC" >&2; exit 1; }
 
-echo ">> configuring $LLAMA_SRC"
+# LLAMA_NO_AMX=1: the CPU's own instruction sets but AMX (GGML_NATIVE=OFF, each set named from
+# /proc/cpuinfo). Where the CPU reports AMX but a process cannot use its tiles (a virtual machine
+# that does not pass the tile state through), the native build's AMX kernels stop with SIGILL.
+ISA_ARGS=(-DGGML_NATIVE=ON)
+if [ -n "${LLAMA_NO_AMX:-}" ]; then
+    ISA_ARGS=(-DGGML_NATIVE=OFF)
+    flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+                avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        case "$flags" in
+            *" ${pair%%:*} "*) ISA_ARGS+=("-DGGML_${pair#*:}=ON") ;;
+            *) ISA_ARGS+=("-DGGML_${pair#*:}=OFF") ;;
+        esac
+    done
+fi
+
+echo ">> configuring $LLAMA_SRC (${ISA_ARGS[*]})"
 cmake -S "$LLAMA_SRC" -B "$BUILD_ROOT/build" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    "${ISA_ARGS[@]}" \
     -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
