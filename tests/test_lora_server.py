@@ -105,7 +105,7 @@ def test_runtime_load_and_a_mixed_batch_of_16_match_peft(client, server, setup):
     for (name, ids), (text, logprobs) in zip(jobs, results):
         # the offline tests allow a divergence at a near-tie; these prompts have none
         ref_tokens, ref_lps = greedy(base, adapters.get(name), ids)
-        assert text == tokenizer.decode(ref_tokens), name
+        assert text == tokenizer.decode(ref_tokens, skip_special_tokens=True), name
         for i, (t, lp) in enumerate(zip(ref_tokens, logprobs)):
             assert abs(lp - ref_lps[i][t].item()) < 1e-4, (name, i)
     text = http.get("/metrics").text
@@ -187,7 +187,7 @@ def test_runtime_load_reaches_every_data_parallel_core_and_matches_peft(setup):
         assert metric(scrape, "tianxia:lora_requests_total", lora_name="all") == len(PROMPTS)
         for ids, (text, logprobs) in zip(jobs, results):
             ref_tokens, ref_lps = greedy(base, adapters["all"], ids)
-            assert text == tokenizer.decode(ref_tokens)
+            assert text == tokenizer.decode(ref_tokens, skip_special_tokens=True)
             for i, (t, lp) in enumerate(zip(ref_tokens, logprobs)):
                 assert abs(lp - ref_lps[i][t].item()) < 1e-4, i
         # every core forgot it: the name loads again, from another file
