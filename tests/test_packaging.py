@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import re
 import sys
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "tianxia"
@@ -23,11 +25,12 @@ EXTRA_MODULES = {"tianxia/ray": "ray"}
 
 
 def _dist_name(requirement: str) -> str:
-    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+    return canonicalize_name(Requirement(requirement).name)
 
 
 def _installed_closure(names: set[str]) -> set[str]:
-    """``names`` and what they require, as pip would install them (markers for extras skipped)."""
+    """``names`` and what they require, as pip would install them here (a requirement whose
+    marker is false without extras, such as one only for an extra, is not installed)."""
     seen: set[str] = set()
     todo = list(names)
     while todo:
@@ -39,7 +42,9 @@ def _installed_closure(names: set[str]) -> set[str]:
             requires = importlib.metadata.requires(name) or []
         except importlib.metadata.PackageNotFoundError:
             continue
-        todo.extend(_dist_name(r) for r in requires if "extra ==" not in r.replace('"', "").replace("'", ""))
+        for r in map(Requirement, requires):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(r.name))
     return seen
 
 
@@ -60,11 +65,11 @@ def _module_level_imports(path: Path) -> set[str]:
                     visit(node.body)
                     visit(node.orelse)
             elif isinstance(node, ast.Try):
-                guarded = any(isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
-                              or isinstance(h.type, ast.Tuple) for h in node.handlers)
-                if not guarded:
+                caught = {n.id for h in node.handlers if h.type is not None
+                          for n in ast.walk(h.type) if isinstance(n, ast.Name)}
+                if not caught & {"ImportError", "ModuleNotFoundError"}:
                     visit(node.body)
-            elif isinstance(node, (ast.With,)):
+            elif isinstance(node, ast.With):
                 visit(node.body)
 
     visit(tree.body)
@@ -87,7 +92,7 @@ def test_every_module_level_import_is_a_declared_dependency():
         for name in sorted(_module_level_imports(path)):
             if name in stdlib or name == "tianxia" or name.startswith("_"):
                 continue
-            dists = {d.lower().replace("_", "-") for d in provides.get(name, [])}
+            dists = {canonicalize_name(d) for d in provides.get(name, [])}
             assert dists, f"{rel} imports {name!r}, which no installed distribution provides"
             if not dists & allowed:
                 missing.append(f"{rel}: import {name} (from {', '.join(sorted(dists))})")

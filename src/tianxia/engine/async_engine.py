@@ -649,10 +649,10 @@ class AsyncLLMEngine(EngineClient):
         t0 = time.monotonic()
         outputs = self.engine.step()
         now = time.monotonic()
-        sched = getattr(self.engine, "last_applied", None)
+        sched = self.engine.last_applied
         self.num_steps += 1
         if sched is not None:
-            scheduled = getattr(sched, "scheduled", [])
+            scheduled = sched.scheduled
             num_seqs = len(scheduled)
             num_tokens = sum(n for _, n in scheduled)
             num_decodes = sum(1 for _, n in scheduled if n == 1)
