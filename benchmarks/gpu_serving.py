@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import threading
 import subprocess
 import sys
@@ -56,6 +58,38 @@ def process_cpu_seconds() -> dict[str, float]:
         ours |= new
         grew = bool(new)
     return {f"{pid} {procs[pid][2]}": procs[pid][1] for pid in ours if pid != os.getpid()}
+
+
+class StackSampler:
+    """``py-spy record`` on each of the server's processes while a load point runs (``--py-spy``):
+    collapsed stacks, one file per process, to see where a process that limits serving spends
+    its time. Does nothing where py-spy is not installed."""
+
+    def __init__(self, out: Path | None, tag: str) -> None:
+        self.out, self.tag, self.procs = out, tag, []
+
+    def __enter__(self) -> StackSampler:
+        exe = shutil.which("py-spy")
+        if self.out is None or exe is None:
+            return self
+        self.out.mkdir(parents=True, exist_ok=True)
+        for key in process_cpu_seconds():
+            pid, cmd = key.split(" ", 1)
+            if "tianxia.cli serve" in cmd or "multiprocessing.spawn" in cmd:
+                self.procs.append(subprocess.Popen(
+                    [exe, "record", "--pid", pid, "--rate", "200", "--format", "raw", "--nonblocking",
+                     "--output", str(self.out / f"{self.tag}_{pid}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 class CpuSampler(threading.Thread):
@@ -125,17 +159,25 @@ def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
     engine, steps = llm.engine, 0
     step = engine.step
+    timeline = []  # (start s, took ms, seqs, tokens) per step: to set beside a served one
 
-    def counted_step():
+    def counted_step(eng=engine):
         nonlocal steps
         steps += 1
-        return step()
+        t = time.monotonic()
+        out = step()
+        sched = eng.last_applied
+        if sched is not None:
+            timeline.append((round(t, 4), round(1000 * (time.monotonic() - t), 2), len(sched.scheduled),
+                             sum(n for _, n in sched.scheduled)))
+        return out
 
     engine.step = counted_step
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
+    (Path(args.out) / "offline_steps.json").write_text(json.dumps(timeline))
     del llm, engine
     torch.cuda.empty_cache()
     return n / dt, steps
@@ -160,7 +202,11 @@ def main() -> int:
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="a Qwen2.5 tokenizer saved with save_pretrained (the random workload needs "
                          "whole-word tokens)")
+    ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                    help="record each server process's stacks with py-spy at every rate, into DIR")
     args = ap.parse_args()
+    # a timeout's SIGTERM unwinds through the `with server(...)` below, so the server stops too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tx-serve-"))
@@ -190,7 +236,7 @@ def main() -> int:
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
                 steps0 = served_steps(base)
-                with CpuSampler() as sampler:
+                with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}"):
                     r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
                                        capture_output=True, text=True)
                 steps = served_steps(base) - steps0  # the bench's warm-up requests included

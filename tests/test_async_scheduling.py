@@ -186,10 +186,11 @@ def test_gpu_steps_launched_ahead_give_what_plain_steps_give(tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
-    # the stop token comes from the same batch (a random model's greedy tokens alone and in a
-    # batch of three may differ: the batch-1 and batch-3 steps run different kernels)
+    # a stop token from a probe of the same batch, the first after six that none of those six is:
+    # the run then follows the probe up to it (min_tokens would mask it earlier and turn the run)
     probe = plain_llm.generate(prompts, params, use_tqdm=False)[2].outputs[0].token_ids
-    params[2] = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[probe[8]], min_tokens=2)
+    stop = next((t for t in probe[6:] if t not in probe[:6]), probe[6])
+    params[2] = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], ignore_eos=True)
     plain = _summary(plain_llm.generate(prompts, params, use_tqdm=False))
     del plain_llm
     llm = LLM(model, **common)

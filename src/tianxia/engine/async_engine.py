@@ -666,8 +666,9 @@ class AsyncLLMEngine(EngineClient):
                     self.listener.on_step, StepStats(num_seqs, num_tokens, num_decodes, now - t0)
                 )
                 logger.debug(
-                    "step %d: %d seqs (%d decodes), %d tokens, %.1f ms",
+                    "step %d at %.4f: %d seqs (%d decodes), %d tokens, %.1f ms",
                     self.num_steps,
+                    t0,
                     num_seqs,
                     num_decodes,
                     num_tokens,

@@ -163,7 +163,9 @@ def _row_token_index(per_row: list, device: torch.device) -> tuple[torch.Tensor,
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device`` without waiting for the kernels queued there: a blocking copy
     to a GPU waits for the whole stream, which would stall a step launched ahead of its
-    predecessor's end (the copy goes from pinned memory instead)."""
+    predecessor's end (the copy goes from pinned memory instead). A copy from pageable memory
+    waits too, even with ``non_blocking``; so does ``gpu_tensor[index] = python_number``, whose
+    number crosses as a host tensor: write device scalars (``new_full``) instead."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -173,7 +175,7 @@ def _counts(ids: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor
     """[S, V] occurrence counts of the (padded with -1) token ids of each row, built where the
     logits are (the ids cross, not an [S, V] table)."""
     counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=device)
-    ids = ids.to(device, non_blocking=True)
+    ids = to_device(ids, device)
     idx = torch.where(ids < 0, vocab, ids)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
     return counts[:, :vocab]
@@ -187,11 +189,11 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         seen_any = seen | (_counts(batch.prompt_ids, vocab, logits.device) > 0)
     else:
         seen_any = seen
-    rep = batch.repetition.to(logits.device)[:, None]
+    rep = to_device(batch.repetition, logits.device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen_any, penalized, logits)
-    logits = logits - batch.frequency.to(logits.device)[:, None] * out_counts
-    logits = logits - batch.presence.to(logits.device)[:, None] * seen.float()
+    logits = logits - to_device(batch.frequency, logits.device)[:, None] * out_counts
+    logits = logits - to_device(batch.presence, logits.device)[:, None] * seen.float()
     return logits
 
 
@@ -360,7 +362,7 @@ class Sampler:
             rows, cols = _row_token_index([batch.allowed[row] for row in with_allowed], logits.device)
             keep = torch.full((len(with_allowed), logits.shape[1]), neg_inf, dtype=logits.dtype,
                               device=logits.device)
-            keep[rows, cols] = 0.0
+            keep.index_put_((rows, cols), keep.new_zeros(()))
             logits[with_allowed] += keep
         if any(batch.bias):
             rows, cols = _row_token_index(batch.bias, logits.device)
@@ -373,7 +375,7 @@ class Sampler:
             # min_tokens bans the stop tokens of every row still short of it, every step
             # (benchmarks send min_tokens = max_tokens)
             rows, cols = _row_token_index(batch.banned, logits.device)
-            logits[rows, cols] = neg_inf
+            logits.index_put_((rows, cols), logits.new_full((), neg_inf))
         return logits
 
     def _draw_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

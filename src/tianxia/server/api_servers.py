@@ -66,7 +66,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_server_main(args: argparse.Namespace, default_model: str, endpoints: CoreEndpoints,
+def _api_server_main(args: argparse.Namespace, default_model: str, config, endpoints: CoreEndpoints,
                      index: int, sock: socket.socket, parent_pid: int) -> None:
     from tianxia.engine.core_proc import die_with_parent
     from tianxia.server.launcher import run_server
@@ -75,7 +75,9 @@ def _api_server_main(args: argparse.Namespace, default_model: str, endpoints: Co
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(levelname)s [api {index}] %(name)s: %(message)s")
     try:
-        code = run_server(args, default_model, attach=(endpoints, index), sock=sock)
+        # the cores' config as the supervisor made it: sizing the KV cache again here would
+        # count the memory the cores already hold as taken
+        code = run_server(args, default_model, attach=(endpoints, index, config), sock=sock)
     except Exception as e:  # noqa: BLE001 - one line, as the CLI prints it
         logger.error("%s", e)
         code = 1
@@ -95,7 +97,7 @@ def run_api_servers(args: argparse.Namespace, default_model: str, model: str, co
     try:
         for i in range(n):
             proc = spawn.Process(target=_api_server_main, name=f"tianxia-api-server-{i}",
-                                 args=(args, default_model, cores.endpoints, i, sock, os.getpid()))
+                                 args=(args, default_model, config, cores.endpoints, i, sock, os.getpid()))
             proc.start()
             servers.append(proc)
             logger.info("API server %d: process %d", i, proc.pid)

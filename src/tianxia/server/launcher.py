@@ -477,7 +477,8 @@ def _async_engine(args: argparse.Namespace, engine, on_dead: Callable[[BaseExcep
 
 def _engine_client(args: argparse.Namespace, config: EngineConfig, on_dead, attach=None):
     """The engine behind a single-model server: on a thread here, or in core processes (started
-    here, or, for one of several API processes, ``attach``: the cores' endpoints and its index)."""
+    here, or, for one of several API processes, ``attach``: the cores' endpoints, its index and
+    their config)."""
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be at least 1")
     if args.engine_core == "thread" and args.data_parallel_size > 1:
@@ -520,7 +521,7 @@ def _single_model(args: argparse.Namespace, model: str, state, on_dead, attach=N
     from tianxia.server.serving_embeddings import PoolerConfig
 
     pooler = PoolerConfig.parse(args.pooler_config)
-    config = engine_config(args, model)
+    config = engine_config(args, model) if attach is None else attach[2]
     async_engine = _engine_client(args, config, on_dead, attach)
     state.allow_runtime_lora_updating = args.allow_runtime_lora_updating
     names = args.served_model_name or [model]
@@ -637,7 +638,7 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
 def run_server(args: argparse.Namespace, default_model: str, *, attach=None, sock=None) -> int:
     """Serve until SIGTERM / SIGINT. With ``--api-server-count`` N > 1 this process supervises N
     API processes (:mod:`tianxia.server.api_servers`), each of which runs this function with
-    ``attach`` (the engine cores' endpoints and its index) and ``sock`` (the shared listening
+    ``attach`` (the engine cores' endpoints, its index and their config) and ``sock`` (the shared listening
     socket)."""
     import uvicorn
 
