@@ -182,9 +182,10 @@ def check_kernel_isa() -> list[Check]:
     from tianxia.quant import cpu_isa
 
     best, isa = cpu_isa.best_available(), cpu_isa.choose()
-    detail = cpu_isa.NAMES[isa] + (" (for the 8-bit-activation products of several rows; AVX2 elsewhere)"
-                                   if isa in ("avx512", "amx") else "") + (f" (forced by {cpu_isa.ENV}; best here: {cpu_isa.NAMES[best]})"
-                                   if isa != best else "")
+    scope = {"avx512": " (for the 8-bit-activation products of several rows; AVX2 elsewhere)",
+             "amx": " (for the 8-bit-activation products of many rows, AVX-512 VNNI for a few, AVX2 elsewhere)"}
+    detail = cpu_isa.NAMES[isa] + scope.get(isa, "") + (
+        f" (forced by {cpu_isa.ENV}; best here: {cpu_isa.NAMES[best]})" if isa != best else "")
     st = WARN if isa == "none" else OK
     fix = None
     if isa == "none" and best != "none":

@@ -1,15 +1,22 @@
 """Which instruction set the CPU kernels use, chosen when they load.
 
-The extension carries an AVX2 build of every kernel and an AVX-512 VNNI variant of the integer path
-(8-bit activations); it picks the best the CPU has by CPUID. ``TIANXIA_CPU_ISA`` forces a lower one
-for A/B runs and tests: ``avx2``, ``avx512``, ``amx`` (no AMX kernels yet: it means the best below,
-AVX-512), or ``none`` (no C++ kernels: torch's own, as on a CPU without AVX2). Asking for one the CPU
-lacks warns and takes the best available below it. The variants give the same bits (integer dot
-products are exact, and the float steps around them are the same), so the choice changes speed only.
+The extension carries an AVX2 build of every kernel and two variants of the integer path (8-bit
+activations): AVX-512 VNNI and AMX-INT8; it picks the best the CPU has by CPUID. ``TIANXIA_CPU_ISA``
+forces a lower one for A/B runs and tests: ``avx2``, ``avx512``, ``amx``, or ``none`` (no C++
+kernels: torch's own, as on a CPU without AVX2). Asking for one the CPU lacks warns and takes the
+best available below it. The variants give the same bits (integer dot products are exact, and the
+float steps around them are the same), so the choice changes speed only.
 
-AMX is detected (CPUID flags and Linux's permission for tile data, which a process must request
-with ``arch_prctl(ARCH_REQ_XCOMP_PERM)`` before its first tile instruction) and reported by
-``tianxia doctor``, but no kernel uses it: none could be tested on the machines at hand.
+Within a variant the number of activation rows picks the kernel: AMX takes products of at least
+``TIANXIA_CPU_AMX_MIN_ROWS`` rows (10 by default: prompts, batches of 10 or more), AVX-512 VNNI
+those of at least ``TIANXIA_CPU_AVX512_MIN_ROWS`` (2) below that, AVX2 single rows and the float
+paths.
+
+AMX needs the CPU's flags and Linux's permission for tile data, which a process must request with
+``arch_prctl(ARCH_REQ_XCOMP_PERM)`` before its first tile instruction (without it that instruction
+is killed with SIGILL). :func:`amx_permitted` asks from Python, and the extension asks again in C++
+when it loads (``isa.cpp``), so every process that runs the kernels, engine-core subprocesses
+included, has asked before any tile instruction; the permission covers all of a process's threads.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ import platform
 logger = logging.getLogger(__name__)
 
 ENV = "TIANXIA_CPU_ISA"
-# lowest first; the kernels' own numbering is "avx2" = 0, "avx512" = 1
+# lowest first; the kernels' own numbering is "avx2" = 0, "avx512" = 1, "amx" = 2
 ORDER = ("none", "avx2", "avx512", "amx")
-KERNEL_LEVEL = {"avx2": 0, "avx512": 1}
+KERNEL_LEVEL = {"avx2": 0, "avx512": 1, "amx": 2}
 
 
 @functools.cache
@@ -97,9 +104,16 @@ def avx512_min_rows() -> int:
     return int(v) if v.isdigit() else -1
 
 
+def amx_min_rows() -> int:
+    """``TIANXIA_CPU_AMX_MIN_ROWS``: the fewest activation rows a product takes the AMX variant for
+    (an A/B knob for benchmarks; -1, the kernels' default, when unset)."""
+    v = os.environ.get("TIANXIA_CPU_AMX_MIN_ROWS", "").strip()
+    return int(v) if v.isdigit() else -1
+
+
 def kernel_level(isa: str) -> int:
-    """The extension's variant for an ISA: AMX has no kernels yet, so it runs the AVX-512 ones."""
-    return KERNEL_LEVEL["avx512" if isa == "amx" else isa]
+    """The extension's variant for an ISA (``set_cpu_isa``'s argument)."""
+    return KERNEL_LEVEL[isa]
 
 
 NAMES = {"none": "none (torch's own kernels)", "avx2": "AVX2", "avx512": "AVX-512 VNNI", "amx": "AMX"}
@@ -112,4 +126,5 @@ def amx_status() -> str:
         return "not on this CPU"
     if not amx_permitted():
         return "on this CPU, but the OS refuses tile data (Linux 5.16+ grants it on request)"
-    return "on this CPU and permitted by the OS; no AMX kernels yet (untested here), AVX-512 runs instead"
+    return ("on this CPU and permitted by the OS; the integer products of many activation rows (prompts, "
+            "large batches) run on AMX-INT8 tiles")

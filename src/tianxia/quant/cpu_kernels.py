@@ -13,6 +13,11 @@ of the sources, their folder and the flags, so two installs on one machine each 
 build instead of rebuilding over each other (torch keys a build directory by the name alone).
 Without AVX2 or a C++ compiler, the same products are computed by dequantizing in torch (correct,
 but slower and with a float32 copy of each weight while it is used).
+
+The integer path has three variants in the one build, chosen per call (``cpu_isa``): AVX2, AVX-512
+VNNI (``gemm_int8_avx512.cpp``) and AMX-INT8 (``gemm_int8_amx.cpp``, products of many rows), each
+compiled under its own target pragma so that the library loads on any AVX2 CPU; all give the same
+bits.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from tianxia.quant.packed import PackedWeight
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "gemm_int8_avx512.cpp", "isa.cpp", "fused_ops.cpp",
-            "decoder.cpp"]
+_SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "gemm_int8_avx512.cpp", "gemm_int8_amx.cpp", "isa.cpp",
+            "fused_ops.cpp", "decoder.cpp"]
 # -ffp-contract=off: the compiler fuses no multiply and add of its own, so that the same
 # expression rounds the same way wherever it is inlined (the kernels write their fmas out)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
@@ -74,7 +79,7 @@ def extension():
         )
         if (took := time.perf_counter() - t0) > 5:  # built now, not found in torch's cache
             logger.info("built the CPU kernels in %.0f s (once per machine and torch version)", took)
-        ext.set_cpu_isa(cpu_isa.kernel_level(isa), cpu_isa.avx512_min_rows())
+        ext.set_cpu_isa(cpu_isa.kernel_level(isa), cpu_isa.avx512_min_rows(), cpu_isa.amx_min_rows())
         logger.info("CPU kernels: %s", describe(ext, isa))
         return ext
     except Exception as e:  # no compiler, no headers: stay correct, just slower
@@ -84,10 +89,14 @@ def extension():
 
 def describe(ext, isa: str) -> str:
     """The variant in use, in words (the start-up log and ``tianxia doctor``)."""
-    if ext.cpu_isa() >= cpu_isa.KERNEL_LEVEL["avx512"]:
+    level = ext.cpu_isa()
+    if level >= cpu_isa.KERNEL_LEVEL["amx"]:
+        return (f"AMX-INT8 (8-bit-activation products of {ext.amx_min_rows()}+ rows; AVX-512 VNNI for "
+                f"{ext.avx512_min_rows()}+ rows below that; AVX2 for single rows and the float paths)")
+    if level >= cpu_isa.KERNEL_LEVEL["avx512"]:
         s = (f"AVX-512 VNNI (8-bit-activation products of {ext.avx512_min_rows()}+ rows; "
              "AVX2 for single rows and the float paths)")
-        return s + (", AMX present but no AMX kernels yet" if isa == "amx" else "")
+        return s + (", AMX present but the kernels found no tile permission" if isa == "amx" else "")
     return "AVX2"
 
 

@@ -222,11 +222,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, release, "in-place rotary embedding of q and k");
   m.def("gated_act", &gated_act, release, "silu(gate) * up, or gelu_tanh(gate) * up");
   m.def("paged_decode", &paged_decode, release, "attention of query tokens over paged K/V, one position each");
-  m.def("best_cpu_isa", &best_cpu_isa, "the best kernel variant this CPU runs: 0 AVX2, 1 AVX-512 VNNI");
-  m.def("set_cpu_isa", &set_cpu_isa, "use variant isa (clamped to the CPU's best) for products of at least "
-        "min_rows rows (min_rows < 0: unchanged); returns the variant in use");
+  m.def("best_cpu_isa", &best_cpu_isa, "the best kernel variant this CPU runs: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8");
+  m.def("set_cpu_isa", &set_cpu_isa, "use variant isa (clamped to the CPU's best): AVX-512 for products of at "
+        "least min_rows rows, AMX for at least amx_min_rows (< 0: unchanged); returns the variant in use",
+        py::arg("isa"), py::arg("min_rows"), py::arg("amx_min_rows") = -1);
   m.def("cpu_isa", &cpu_isa, "the kernel variant in use");
   m.def("avx512_min_rows", &avx512_min_rows, "the fewest rows that take the AVX-512 variant");
+  m.def("amx_min_rows", &amx_min_rows, "the fewest rows that take the AMX variant");
   m.def("quantize_kv", &quantize_kv, release, "float32 rows as Q8_0 or Q4_0 KV cache rows");
   bind_decoder(m);
 }

@@ -580,13 +580,16 @@ std::vector<uint8_t> quad_scale_table(const Packed& w) {
 }
 #endif
 
+#ifndef TIANXIA_AMX  // (gemm_int8_amx.cpp reuses the pieces above and has its own entry point)
 #ifdef TIANXIA_VNNI
 // the AVX-512 VNNI variant (gemm_int8_avx512.cpp compiles this file again under that target)
 void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out) {
 #else
 void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out);
+void int8_product_amx(const Packed& w, const Activations& a, const float* bias, float* out);
 
 void int8_product(const Packed& w, const Activations& a, const float* bias, float* out) {
+  if (use_amx(a.M)) return int8_product_amx(w, a, bias, out);
   if (use_avx512(a.M)) return int8_product_avx512(w, a, bias, out);
 #endif
   TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
@@ -597,5 +600,6 @@ void int8_product(const Packed& w, const Activations& a, const float* bias, floa
     product_of<float>(w, a, bias, out);
   }
 }
+#endif
 
 }  // namespace tianxia

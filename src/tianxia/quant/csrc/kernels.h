@@ -209,14 +209,19 @@ void dequant_row(const Packed& w, int64_t n, float* dst);
 // ---- run-time instruction-set dispatch (isa.cpp) ----
 //
 // The build carries the AVX2 kernels and, for the integer path, an AVX-512 VNNI variant
-// (gemm_int8_avx512.cpp) with the same operation sequences: both give the same bits, so the
-// choice (per call, by the number of activation rows) changes speed only.
-enum CpuIsa : int { kIsaAvx2 = 0, kIsaAvx512 = 1 };
-int best_cpu_isa();                            // by CPUID
-int set_cpu_isa(int isa, int64_t min_rows);    // clamped to best_cpu_isa(); min_rows < 0 keeps it
+// (gemm_int8_avx512.cpp) and an AMX-INT8 one (gemm_int8_amx.cpp) with the same operation
+// sequences per output: all give the same bits, so the choice (per call, by the number of
+// activation rows) changes speed only.
+enum CpuIsa : int { kIsaAvx2 = 0, kIsaAvx512 = 1, kIsaAmx = 2 };
+int best_cpu_isa();  // by CPUID (and, for AMX, the OS's permission for tile data, requested here)
+// clamped to best_cpu_isa(); min_rows / amx_min_rows < 0 keep the thresholds
+int set_cpu_isa(int isa, int64_t min_rows, int64_t amx_min_rows = -1);
 int cpu_isa();
 int64_t avx512_min_rows();
+int64_t amx_min_rows();
 bool use_avx512(int64_t rows);                 // whether a product of `rows` rows takes AVX-512
+bool use_amx(int64_t rows);                    // whether it takes AMX
+bool amx_built();                              // whether the compiler built the AMX variant
 
 // ---- the float32 ops of a decode step, on raw rows ----
 

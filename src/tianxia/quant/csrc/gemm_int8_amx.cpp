@@ -1,0 +1,447 @@
+// The integer path for AMX-INT8 (Intel Sapphire Rapids and later): the tiles compute every
+// half block's exact integer dot products (TDPBSUD: signed activation bytes times unsigned codes;
+// TDPBSSD for signed 8-bit codes), 16 activation rows by 16 weight rows an instruction, and the
+// float steps around them are those of gemm_int8.cpp's register tile, per output, in the same
+// order and on the same operands:
+//   per half block: acc = fma(dot, scale * act_scale, acc); acc = fma(min - off * scale, half_sum, acc)
+//   then (lo + hi) + bias.
+// Integer sums are exact whichever unit makes them, so every output is bit for bit the AVX2 and
+// AVX-512 one, whatever the number of rows or the split between variants.
+//
+// A tile's K is one half block (16 bytes), not the 64 it can take: the halves' scales differ, so
+// their sums cannot be added in integers, and every 256 sums of a C tile are stored and taken up
+// by the float steps (a convert, a multiply and two fmas per 16). The tile unit's product and
+// store of a C tile and the vector units' float steps on one take about as long, so the kernel
+// interleaves them (pairs_outputs); on 2 cores of a Xeon it ran 1.3-2.1x the AVX-512 VNNI
+// variant from 16 rows (benchmarks/cpu_isa_ab.py --shapes).
+//
+// Layout: A (activations, 16 rows x 16 bytes) is read straight from the 8-bit rows (stride K);
+// B (weights, 4 rows of 64 bytes: row r holds, for each of 16 weight rows, bytes 4r..4r+3 of the
+// half block) is widened once per tile of weight rows, which stays in L2 while every group of
+// 16 activation rows passes over it; C is 16 activation rows x 16 weight rows of int32, stored
+// and taken up by the float steps in chunks of blocks.
+//
+// Compiled like gemm_int8_avx512.cpp: the target pragma covers this file's own code only, after
+// every header, so the library still loads and runs on CPUs without AMX or AVX-512.
+#include "kernels.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <new>
+
+// compilers that know the AMX target (GCC 11, clang 12); older ones build the rest without it
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define TIANXIA_AMX_BUILT 1
+#endif
+
+#ifndef TIANXIA_AMX_BUILT
+namespace tianxia {
+bool amx_built() { return false; }
+void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out);
+void int8_product_amx(const Packed& w, const Activations& a, const float* bias, float* out) {
+  int8_product_avx512(w, a, bias, out);
+}
+}  // namespace tianxia
+#else
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")
+#define TIANXIA_VNNI 1
+#define TIANXIA_AMX 1
+#include "gemm_int8.cpp"
+
+namespace tianxia {
+
+void int8_product_avx512(const Packed& w, const Activations& a, const float* bias, float* out);
+
+namespace {
+
+// one block of 16 weight rows in tile layout: the two halves' B tiles, 4 x 64 bytes each
+constexpr int64_t kHexCodes = 512;
+// and its factors: the 16 rows' scales of the low half's group, of the high half's, then the
+// same for min - off * scale (quad_factors' values, regrouped)
+constexpr int64_t kHexFactors = 64;
+// blocks per chunk of C tiles that the tiles make while the float steps take up the chunk before
+constexpr int64_t kChunk = 2;
+// int32 per block of a chunk: 2 halves x 4 C tiles x 16 x 16
+constexpr int64_t kBlockInts = 2 * 4 * 256;
+
+// std::vector's storage at a cache line's start: the tiles' and the vector units' loads and
+// stores of 64 bytes then never straddle two lines
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const LineAligned&) const { return true; }
+  bool operator!=(const LineAligned&) const { return false; }
+};
+template <typename T>
+using Lines = std::vector<T, LineAligned<T>>;
+
+struct AmxWeights {
+  Lines<uint8_t> codes;   // [hex][block][kHexCodes]
+  Lines<float> factors;   // [hex][block][kHexFactors]
+  std::vector<float> quads;     // quad_factors() of one hex's 4 quads
+  int64_t rows = 0;
+};
+
+// palette 1: C tiles 0-3 (16 rows x 16 int32: 2 groups of activation rows by 2 of weight rows),
+// A tiles 4-5 (16 rows x 16 bytes), B tiles 6-7 (4 rows x 64 bytes); four independent C tiles
+// keep the tile unit busy where one waited out each product's latency. Each thread that runs
+// tile instructions loads the configuration (its state is per thread).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 16, 16, 64, 64}, {16, 16, 16, 16, 16, 16, 4, 4}};
+static_assert(sizeof(TileConfig) == 64);
+
+// r[i]: row i of an 8 x 8 matrix of 32-bit units, transposed in place
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+template <int BITS>
+inline __m256i block_codes(const uint8_t* row, int64_t b) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  } else {
+    return codes32<BITS, true>(row + b * 4 * BITS);
+  }
+}
+
+// weight rows n0..n0+rows-1 in tile layout (missing rows of the last hex: zero codes and factors)
+template <int BITS, typename S>
+void widen_hexes(const Packed& w, int64_t n0, int64_t rows, AmxWeights& t) {
+  const int64_t nb = w.K / 32, hexes = (rows + 15) / 16;
+  t.rows = rows;
+  t.codes.resize(hexes * nb * kHexCodes);
+  t.factors.resize(hexes * nb * kHexFactors);
+  t.quads.resize(4 * nb * 16);
+  for (int64_t x = 0; x < hexes; ++x) {
+    const int64_t left = std::min<int64_t>(16, rows - 16 * x), first = n0 + 16 * x;
+    const uint8_t* row[16];
+    for (int j = 0; j < 16; ++j) row[j] = j < left ? w.qs + (first + j) * w.row_bytes() : nullptr;
+    uint8_t* c = t.codes.data() + x * nb * kHexCodes;
+    for (int64_t b = 0; b < nb; ++b) {
+      // 16 rows x 8 units of 4 codes, transposed: unit q of every row is B row q % 4 of half q / 4
+      __m256i lo[8], hi[8];
+      for (int j = 0; j < 8; ++j) {
+        lo[j] = row[j] ? block_codes<BITS>(row[j], b) : _mm256_setzero_si256();
+        hi[j] = row[8 + j] ? block_codes<BITS>(row[8 + j], b) : _mm256_setzero_si256();
+      }
+      transpose8x8(lo);
+      transpose8x8(hi);
+      __m256i* dst = reinterpret_cast<__m256i*>(c + b * kHexCodes);
+      for (int q = 0; q < 8; ++q) {
+        _mm256_storeu_si256(dst + 2 * q, lo[q]);
+        _mm256_storeu_si256(dst + 2 * q + 1, hi[q]);
+      }
+    }
+    // the factors as the register tile makes them, per quad: [scales lo | hi | offsets lo | hi]
+    // of 4 rows per block, regrouped (a 4 x 4 transpose of 128-bit lanes) into 16 rows each
+    for (int q = 0; q < 4; ++q)
+      quad_factors<BITS, S>(w, std::min(first + 4 * q, w.N - 1), std::clamp<int64_t>(left - 4 * q, 0, 4),
+                            t.quads.data() + q * nb * 16);
+    float* f = t.factors.data() + x * nb * kHexFactors;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 v[4];
+      for (int q = 0; q < 4; ++q) v[q] = _mm512_loadu_ps(t.quads.data() + q * nb * 16 + b * 16);
+      const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+      const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+      _mm512_storeu_ps(f + b * kHexFactors, _mm512_shuffle_f32x4(t0, t2, 0x88));
+      _mm512_storeu_ps(f + b * kHexFactors + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+      _mm512_storeu_ps(f + b * kHexFactors + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+      _mm512_storeu_ps(f + b * kHexFactors + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+    }
+  }
+}
+
+// The activation rows by groups of 16 as the tiles and the float steps read them: each group's
+// 8-bit rows (the last one padded with zero rows to the 16 an A tile loads), and per group and
+// block its 16 rows' scales, low half sums and high half sums (48 floats: one pointer reaches
+// every row's, where a pointer per row ran the float steps out of registers)
+struct Groups {
+  int64_t M = 0, K = 0;
+  std::vector<const int8_t*> q8;
+  Lines<int8_t> padded;
+  Lines<float> factors;
+  void prepare(const Activations& a) {
+    M = a.M;
+    K = a.K;
+    const int64_t nb = K / 32, groups = (M + 15) / 16, whole = M / 16;
+    padded.assign(whole < groups ? 16 * K : 0, 0);
+    if (whole < groups) std::memcpy(padded.data(), a.q8.data() + whole * 16 * K, (M - whole * 16) * K);
+    q8.resize(groups);
+    for (int64_t g = 0; g < groups; ++g) q8[g] = g < whole ? a.q8.data() + g * 16 * K : padded.data();
+    factors.assign(groups * nb * 48, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        float* f = factors.data() + ((m / 16) * nb + b) * 48 + m % 16;
+        f[0] = a.d8[m * nb + b];
+        f[16] = a.sums[m * 2 * nb + 2 * b];
+        f[32] = a.sums[m * 2 * nb + 2 * b + 1];
+      }
+  }
+};
+
+// The float steps of R activation rows (m..m+R-1 of a group) against one hex over blocks b0..b1:
+// its C tiles at c ([block][half][4 tiles][row][16]), the group's activation factors at s
+// ([block][scales, low half sums, high half sums][16 rows]), the running sums in acc ([row][half][16]).
+template <int R, bool MINS>
+inline void float_steps(const int32_t* c, const float* f, int64_t b0, int64_t b1, const float* s, int64_t m,
+                        float* acc) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    if (b0 == 0) {
+      lo[r] = hi[r] = _mm512_setzero_ps();
+    } else {
+      lo[r] = _mm512_loadu_ps(acc + (m + r) * 32);
+      hi[r] = _mm512_loadu_ps(acc + (m + r) * 32 + 16);
+    }
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* fb = f + b * kHexFactors;
+    const __m512 slo = _mm512_loadu_ps(fb), shi = _mm512_loadu_ps(fb + 16);
+    const int32_t* cb = c + (b - b0) * kBlockInts;
+    const float* sb = s + b * 48 + m;
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m + r;
+      const __m512 d = _mm512_set1_ps(sb[r]);
+      const __m512 xlo = _mm512_cvtepi32_ps(_mm512_loadu_si512(cb + row * 16));
+      const __m512 xhi = _mm512_cvtepi32_ps(_mm512_loadu_si512(cb + kBlockInts / 2 + row * 16));
+      lo[r] = _mm512_fmadd_ps(xlo, _mm512_mul_ps(slo, d), lo[r]);
+      hi[r] = _mm512_fmadd_ps(xhi, _mm512_mul_ps(shi, d), hi[r]);
+      if constexpr (MINS) {
+        lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(fb + 32), _mm512_set1_ps(sb[16 + r]), lo[r]);
+        hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(fb + 48), _mm512_set1_ps(sb[32 + r]), hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + (m + r) * 32, lo[r]);
+    _mm512_storeu_ps(acc + (m + r) * 32 + 16, hi[r]);
+  }
+}
+
+// the tiles' products of block b's half h into c (layout as float_steps reads it): NG groups of
+// 16 activation rows (8-bit codes at q8[g], stride K) by NX hexes (codes at w[x])
+template <int BITS, int NG, int NX>
+inline void tile_step(const int8_t* const q8[2], const uint8_t* const w[2], int64_t K, int64_t b, int h, int32_t* c) {
+  _tile_loadd(4, q8[0] + b * 32 + h * 16, K);
+  if constexpr (NG == 2) _tile_loadd(5, q8[1] + b * 32 + h * 16, K);
+  _tile_loadd(6, w[0] + b * kHexCodes + h * 256, 64);
+  if constexpr (NX == 2) _tile_loadd(7, w[1] + b * kHexCodes + h * 256, 64);
+  _tile_zero(0);
+  if constexpr (NX == 2) _tile_zero(1);
+  if constexpr (NG == 2) _tile_zero(2);
+  if constexpr (NG == 2 && NX == 2) _tile_zero(3);
+  if constexpr (BITS == 8) {
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (NX == 2) _tile_dpbssd(1, 4, 7);
+    if constexpr (NG == 2) _tile_dpbssd(2, 5, 6);
+    if constexpr (NG == 2 && NX == 2) _tile_dpbssd(3, 5, 7);
+  } else {
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (NX == 2) _tile_dpbsud(1, 4, 7);
+    if constexpr (NG == 2) _tile_dpbsud(2, 5, 6);
+    if constexpr (NG == 2 && NX == 2) _tile_dpbsud(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NX == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (NG == 2) _tile_stored(2, c + 512, 64);
+  if constexpr (NG == 2 && NX == 2) _tile_stored(3, c + 768, 64);
+}
+
+// (lo + hi) + bias into out for groups g0.. (NG) by hexes x0.. (NX) of the tile t, as
+// store_quad() makes it: the weight's last, short quad adds 0 and then the bias
+template <int NG, int NX>
+void store_pair(const AmxWeights& t, const Groups& a, int64_t g0, int64_t x0, int64_t n0, const float* bias, float* out,
+                int64_t N, const float* acc) {
+  const int64_t full_quads = N / 4 * 4;
+  for (int x = 0; x < NX; ++x) {
+    const int64_t n = n0 + 16 * (x0 + x), cols = std::min<int64_t>(16, t.rows - 16 * (x0 + x));
+    const __mmask16 valid = (__mmask16)((1u << cols) - 1);
+    const int64_t whole_cols = std::clamp<int64_t>(full_quads - n, 0, 16);
+    const __mmask16 whole = (__mmask16)(valid & ((1u << whole_cols) - 1)), short_quad = valid & ~whole;
+    const __m512 bw = bias ? _mm512_maskz_loadu_ps(whole, bias + n) : _mm512_setzero_ps();
+    const __m512 bs = bias ? _mm512_maskz_loadu_ps(short_quad, bias + n) : _mm512_setzero_ps();
+    for (int g = 0; g < NG; ++g) {
+      const int64_t m0 = 16 * (g0 + g), rows = std::min<int64_t>(16, a.M - m0);
+      const float* ax = acc + (2 * g + x) * 16 * 32;
+      for (int64_t m = 0; m < rows; ++m) {
+        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(ax + m * 32), _mm512_loadu_ps(ax + m * 32 + 16)), bw);
+        if (short_quad) v = _mm512_mask_add_ps(v, short_quad, v, bs);
+        _mm512_mask_storeu_ps(out + (m0 + m) * N + n, valid, v);
+      }
+    }
+  }
+}
+
+// Pairs of (groups g0.., hexes x0..) of one shape (NG groups of activation rows by NX hexes of
+// the tile t), each over its blocks a chunk at a time: the tiles make the next chunk (of this pair
+// or the next) a step at a time between the float steps of this one, so that the tile unit works
+// while the vector units do. (Issued as a whole before them, the float steps waited in the
+// reorder buffer behind the tiles' long latencies.)
+template <int BITS, bool MINS, int NG, int NX>
+void pairs_outputs(const AmxWeights& t, const Groups& a, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                   int64_t n0, const float* bias, float* out, int64_t N, int32_t* ibuf, float* acc) {
+  const int64_t K = a.K, nb = K / 32, chunks = (nb + kChunk - 1) / kChunk, items = (int64_t)pairs.size() * chunks;
+  struct Job {
+    const int8_t* q8[2];
+    const uint8_t* w[2];
+    int64_t b0 = 0, steps = 0;
+    int32_t* c = nullptr;
+    void step(int64_t k, int64_t K) const {
+      tile_step<BITS, NG, NX>(q8, w, K, b0 + k / 2, k % 2, c + (k / 2) * kBlockInts + (k % 2) * (kBlockInts / 2));
+    }
+  };
+  auto job = [&](int64_t j) {
+    Job o;
+    if (j >= items) return o;
+    const auto [g0, x0] = pairs[j / chunks];
+    o.q8[0] = a.q8[g0], o.q8[1] = a.q8[g0 + NG - 1];
+    o.w[0] = t.codes.data() + x0 * nb * kHexCodes, o.w[1] = t.codes.data() + (x0 + NX - 1) * nb * kHexCodes;
+    o.b0 = j % chunks * kChunk;
+    o.steps = 2 * (std::min(nb, o.b0 + kChunk) - o.b0);
+    o.c = ibuf + (j & 1) * kChunk * kBlockInts;
+    return o;
+  };
+  Job next = job(0);
+  for (int64_t k = 0; k < next.steps; ++k) next.step(k, K);
+  for (int64_t j = 0; j < items; ++j) {
+    const auto [g0, x0] = pairs[j / chunks];
+    const int64_t b0 = j % chunks * kChunk, b1 = std::min(nb, b0 + kChunk);
+    const int32_t* c = ibuf + (j & 1) * kChunk * kBlockInts;
+    next = job(j + 1);  // its tile steps spread over this item's NG * NX float parts
+    int64_t k = 0;
+    for (int part = 0; part < NG * NX; ++part) {
+      for (; k * NG * NX < (part + 1) * next.steps; ++k) next.step(k, K);
+      const int g = part / NX, x = part % NX;
+      const int64_t rows = std::min<int64_t>(16, a.M - 16 * (g0 + g));
+      const float* sg = a.factors.data() + (g0 + g) * nb * 48;
+      const int32_t* cx = c + (2 * g + x) * 256;
+      const float* f = t.factors.data() + (x0 + x) * nb * kHexFactors;
+      float* ax = acc + (2 * g + x) * 16 * 32;
+      int64_t m = 0;
+      for (; m + 4 <= rows; m += 4) float_steps<4, MINS>(cx, f, b0, b1, sg, m, ax);
+      for (; m < rows; ++m) float_steps<1, MINS>(cx, f, b0, b1, sg, m, ax);
+    }
+    if (b1 == nb) store_pair<NG, NX>(t, a, g0, x0, n0, bias, out, N, acc);
+  }
+}
+
+// every group of activation rows against the tile t (weight rows n0..), by pairs of groups and
+// pairs of hexes (four C tiles), the odd group or hex left over by pairs of two C tiles or one
+template <int BITS, bool MINS>
+void tile_outputs_amx(const AmxWeights& t, const Groups& a, int64_t n0, const float* bias, float* out, int64_t N,
+                      int32_t* ibuf, float* acc) {
+  const int64_t groups = (a.M + 15) / 16, hexes = (t.rows + 15) / 16;
+  thread_local std::vector<std::pair<int64_t, int64_t>> pairs[4];  // by shape: 2x2, 2x1, 1x2, 1x1
+  for (auto& p : pairs) p.clear();
+  for (int64_t g = 0; g < groups; g += 2)
+    for (int64_t x = 0; x < hexes; x += 2) pairs[(g + 1 < groups ? 0 : 2) + (x + 1 < hexes ? 0 : 1)].emplace_back(g, x);
+  if (!pairs[0].empty()) pairs_outputs<BITS, MINS, 2, 2>(t, a, pairs[0], n0, bias, out, N, ibuf, acc);
+  if (!pairs[1].empty()) pairs_outputs<BITS, MINS, 2, 1>(t, a, pairs[1], n0, bias, out, N, ibuf, acc);
+  if (!pairs[2].empty()) pairs_outputs<BITS, MINS, 1, 2>(t, a, pairs[2], n0, bias, out, N, ibuf, acc);
+  if (!pairs[3].empty()) pairs_outputs<BITS, MINS, 1, 1>(t, a, pairs[3], n0, bias, out, N, ibuf, acc);
+}
+
+// whether any activation code is -128: the other variants' 8-bit products (ggml's sign trick)
+// take -(-128) as -128 there, which the tiles' exact products would not match. Only blocks whose
+// scale is not finite or too small to invert round to -128 (infinities, NaN, values below about
+// 4e-37); their products go to AVX-512 instead.
+bool has_min_code(const Activations& a) {
+  const int8_t* p = a.q8.data();
+  const int64_t n = a.M * a.K;
+  const __m512i lowest = _mm512_set1_epi8(-128);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    if (_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(p + i), lowest)) return true;
+  for (; i < n; ++i)
+    if (p[i] == -128) return true;
+  return false;
+}
+
+template <int BITS, bool MINS, typename S>
+void amx_product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
+  const int64_t N = w.N, K = w.K, M = a.M;
+  thread_local Groups mine;  // (the workers' lambda would see their own: use the reference)
+  const Groups& groups = mine;
+  mine.prepare(a);
+  // shares of weight rows as in product_as: tiles of about kTileBytes of codes (at least 8 per
+  // thread), in multiples of 16 rows, taken in turn by whichever thread is free
+  const int64_t threads = at::get_num_threads();
+  constexpr int64_t kTileBytes = 96 << 10;
+  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+  const int64_t tile = std::max<int64_t>(16, ((N + least - 1) / least + 15) / 16 * 16), tiles = (N + tile - 1) / tile;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    _tile_loadconfig(&kTileConfig);
+    thread_local AmxWeights t;
+    thread_local Lines<int32_t> ibuf(2 * kChunk * kBlockInts);
+    thread_local Lines<float> acc(4 * 16 * 32);
+    for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
+      const int64_t n0 = i * tile;
+      widen_hexes<BITS, S>(w, n0, std::min(tile, N - n0), t);
+      // (GCC's tile loads do not tell the compiler that they read memory: the widened codes
+      // must be stored before them)
+      __asm__ volatile("" ::: "memory");
+      tile_outputs_amx<BITS, MINS>(t, groups, n0, bias, out, N, ibuf.data(), acc.data());
+    }
+    _tile_release();
+  });
+}
+
+template <typename S>
+void amx_product_of(const Packed& w, const Activations& a, const float* bias, float* out) {
+  switch (w.bits) {
+    case 4: return amx_product_as<4, true, S>(w, a, bias, out);
+    case 5: return amx_product_as<5, true, S>(w, a, bias, out);
+    case 6: return amx_product_as<6, true, S>(w, a, bias, out);
+    default:
+      if (w.mins) return amx_product_as<8, true, S>(w, a, bias, out);
+      return amx_product_as<8, false, S>(w, a, bias, out);
+  }
+}
+
+}  // namespace
+
+// the AMX variant of int8_product (which calls it where use_amx(), isa.cpp)
+void int8_product_amx(const Packed& w, const Activations& a, const float* bias, float* out) {
+  TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
+              "int8_product: 8-bit activation rows of the weight's length");
+  if (w.bits == 8 && has_min_code(a)) return int8_product_avx512(w, a, bias, out);
+  if (w.half) {
+    amx_product_of<uint16_t>(w, a, bias, out);
+  } else {
+    amx_product_of<float>(w, a, bias, out);
+  }
+}
+
+bool amx_built() { return true; }
+
+}  // namespace tianxia
+
+#pragma GCC pop_options
+#endif  // TIANXIA_AMX_BUILT
