@@ -1,13 +1,15 @@
 """``tianxia serve --api-server-count N``: N API server processes in front of the same engine cores.
 
 The process that runs ``tianxia serve`` becomes a supervisor, as vLLM's does: it starts the engine
-cores (:class:`EngineCores`, one output socket per API process), binds the listening socket once,
-and starts N API server processes that each serve HTTP on that same socket (the kernel hands each
-connection to one of them) and talk to every core as client ``i``. Tokenization, chat templates,
+cores (:class:`EngineCores`, one output socket per API process), binds one listening socket per
+API process on the same port (``SO_REUSEPORT``: the kernel spreads new connections over them by
+their addresses, where one shared socket lets whichever process is awake take them all, one
+after another) and starts N API server processes, each serving HTTP on its own socket and talking
+to every core as client ``i``. Tokenization, chat templates,
 detokenization, JSON and SSE then run on N processes instead of one.
 
 Lifetimes: the API processes and the cores die with the supervisor (``PR_SET_PDEATHSIG``, even
-when it is SIGKILLed; the listening socket dies with the last holder). An API process that exits
+when it is SIGKILLed; each listening socket dies with its process). An API process that exits
 (it exits 1 when a core dies) takes the rest down and the supervisor exits 1. SIGTERM / SIGINT
 drain: each API process stops accepting and finishes its requests, then the cores stop.
 
@@ -57,13 +59,26 @@ def check_api_server_args(args: argparse.Namespace, several_models: bool) -> Non
                          "only); give the adapters at start with --lora-modules")
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
+def _listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` sockets listening on one port (port 0: the first one's), or one shared socket where the
+    platform has no ``SO_REUSEPORT``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # uvicorn's backlog
-    return sock
+    reuse_port = hasattr(socket, "SO_REUSEPORT")
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n if reuse_port else 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, socks[0].getsockname()[1] if len(socks) > 1 else port))
+            sock.listen(2048)  # uvicorn's backlog
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def _api_server_main(args: argparse.Namespace, default_model: str, config, endpoints: CoreEndpoints,
@@ -91,17 +106,19 @@ def run_api_servers(args: argparse.Namespace, default_model: str, model: str, co
                         request_timeout=args.request_timeout,
                         log_stats_interval=None if args.disable_log_stats else 10.0,
                         log_level=args.log_level.upper())
-    sock = _listening_socket(args.host, args.port)
+    socks = _listening_sockets(args.host, args.port, n)
     spawn = multiprocessing.get_context("spawn")
     servers = []
     try:
         for i in range(n):
             proc = spawn.Process(target=_api_server_main, name=f"tianxia-api-server-{i}",
-                                 args=(args, default_model, config, cores.endpoints, i, sock, os.getpid()))
+                                 args=(args, default_model, config, cores.endpoints, i, socks[i % len(socks)],
+                                       os.getpid()))
             proc.start()
             servers.append(proc)
             logger.info("API server %d: process %d", i, proc.pid)
-        sock.close()  # the API processes hold it now
+        for sock in socks:
+            sock.close()  # the API processes hold them now
         logger.info("serving %s on http://%s:%d with %d API server processes", model, args.host,
                     args.port, n)
         return _supervise(servers, cores)
