@@ -638,8 +638,8 @@ def _several_models(args: argparse.Namespace, models: list[tuple[str, str]], sta
 def run_server(args: argparse.Namespace, default_model: str, *, attach=None, sock=None) -> int:
     """Serve until SIGTERM / SIGINT. With ``--api-server-count`` N > 1 this process supervises N
     API processes (:mod:`tianxia.server.api_servers`), each of which runs this function with
-    ``attach`` (the engine cores' endpoints, its index and their config) and ``sock`` (the shared listening
-    socket)."""
+    ``attach`` (the engine cores' endpoints, its index and their config) and ``sock`` (its own
+    listening socket on the shared port)."""
     import uvicorn
 
     from tianxia.server.api import build_app
