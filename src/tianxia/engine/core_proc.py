@@ -38,6 +38,7 @@ from tianxia.engine.async_engine import (
     build_off_main_thread,
 )
 from tianxia.engine.engine_info import EngineInfo
+from tianxia.engine.heap import freeze_startup_heap
 from tianxia.engine.lora_manager import LoRARequest
 from tianxia.sampling_params import SamplingParams
 
@@ -238,6 +239,7 @@ def run_engine_core(config, in_addr: str, out_addrs: list[str], ready_addr: str,
         ctx.term()
         os._exit(1)
     core = EngineCore(engine, outs, **options)
+    freeze_startup_heap()
     ready.send(msgs.encoder.encode(msgs.Ready(EngineInfo.of(engine).facts())))
     ready.close()
     thread = core.run_thread()

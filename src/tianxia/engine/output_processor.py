@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
+
 from transformers import PreTrainedTokenizerBase
 
 from tianxia.engine import faults
@@ -28,8 +30,7 @@ from tianxia.outputs import CompletionOutput, PromptLogprobs, RequestOutput, Sam
 from tianxia.sampling_params import SamplingParams
 
 
-@dataclass
-class ChoiceDelta:
+class ChoiceDelta(msgspec.Struct, array_like=True, gc=False):
     """What one choice (sequence) gained in a step."""
 
     index: int
@@ -40,9 +41,12 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
 
 
-@dataclass
-class RequestDelta:
-    """What one request gained in a step. The prompt travels with the request's first delta."""
+class RequestDelta(msgspec.Struct, array_like=True, gc=False):
+    """What one request gained in a step. The prompt travels with the request's first delta.
+
+    A msgspec struct, encoded as an array: an API process decodes one per request every step, and
+    decoding into a struct is several times cheaper than into a dataclass. No cycles (``gc=False``).
+    """
 
     request_id: str
     choices: list[ChoiceDelta]

@@ -31,6 +31,7 @@ from tianxia.config import (
     parse_size,
     speculative_from_args,
 )
+from tianxia.engine.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -741,6 +742,7 @@ def run_server(args: argparse.Namespace, default_model: str, *, attach=None, soc
                     ", API key required" if api_key else "")
         if args.webui:
             logger.info("web page: http://%s:%d/", args.host, args.port)
+    freeze_startup_heap()
     server.run(sockets=None if sock is None else [sock])
     if engine_died or (server.started is False and not server.should_exit):
         return 1

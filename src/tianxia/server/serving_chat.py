@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import time
@@ -23,6 +22,7 @@ from tianxia.server.serving_base import (
     ChoiceStream,
     ChunkHeader,
     OpenAIServing,
+    OutputBatches,
     Prepared,
     clamp_logprob,
     engine_error,
@@ -212,9 +212,8 @@ class OpenAIServingChat(OpenAIServing):
         self,
         head: ChunkHeader,
         prep: Prepared,
-        merged: asyncio.Queue,
-        tasks: list[asyncio.Task],
-    ) -> AsyncIterator[str]:
+        outputs: OutputBatches,
+    ) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceStream] = {}
         final: RequestOutput | None = None
 
@@ -229,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
             yield head.chunk(every_choice({"role": "assistant", "content": ""}))
             if prep.echo_text:
                 yield head.chunk(every_choice({"content": prep.echo_text}))
-            async for batch in self.merged_outputs(merged, len(tasks)):
+            async for batch in outputs:
                 for _, out in batch:
                     final = out
                     choices = []
@@ -282,5 +281,5 @@ class OpenAIServingChat(OpenAIServing):
         except STREAM_ERRORS as e:
             yield sse(engine_error(e).body())
         finally:
-            self.cancel(tasks)
+            await outputs.aclose()
         yield SSE_DONE

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from tianxia.server.serving_base import (
     ChoiceStream,
     ChunkHeader,
     OpenAIServing,
+    OutputBatches,
     Prepared,
     clamp_logprob,
     engine_error,
@@ -186,15 +186,14 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         head: ChunkHeader,
         prep: Prepared,
-        merged: asyncio.Queue,
-        tasks: list[asyncio.Task],
-    ) -> AsyncIterator[str]:
+        outputs: OutputBatches,
+    ) -> AsyncIterator[bytes]:
         n = prep.n
         states: dict[int, ChoiceStream] = {}
         finals: dict[int, RequestOutput] = {}
 
         try:
-            async for batch in self.merged_outputs(merged, len(tasks)):
+            async for batch in outputs:
                 for i, out in batch:
                     finals[i] = out
                     choices = []
@@ -242,5 +241,5 @@ class OpenAIServingCompletion(OpenAIServing):
         except STREAM_ERRORS as e:
             yield sse(engine_error(e).body())
         finally:
-            self.cancel(tasks)
+            await outputs.aclose()
         yield SSE_DONE

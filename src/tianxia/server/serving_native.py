@@ -16,7 +16,6 @@ logprob (``None``).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +33,7 @@ from tianxia.server.serving_base import (
     SSE_DONE,
     STREAM_ERRORS,
     OpenAIServing,
+    OutputBatches,
     Prepared,
     clamp_logprob,
     engine_error,
@@ -219,8 +219,8 @@ class SGLangServing(OpenAIServing):
         t0 = time.monotonic()
         if req.stream:
             return await self.generate(
-                rid, prep, raw, lambda merged, tasks: self._stream(req, rid, prep, prefill_only,
-                                                                   merged, tasks, t0))
+                rid, prep, raw, lambda outputs: self._stream(req, rid, prep, prefill_only,
+                                                             outputs, t0))
         outs = await self.generate(rid, prep, raw, None)
         if isinstance(outs, Response):
             return outs
@@ -232,11 +232,10 @@ class SGLangServing(OpenAIServing):
         return JSONResponse(results if batch or prep.n > 1 else results[0])
 
     async def _stream(self, req, rid, prep: Prepared, prefill_only: bool,
-                      merged: asyncio.Queue, tasks: list[asyncio.Task],
-                      t0: float) -> AsyncIterator[str]:
+                      outputs: OutputBatches, t0: float) -> AsyncIterator[bytes]:
         sent_text = sent_tokens = 0
         try:
-            async for batch in self.merged_outputs(merged, len(tasks)):
+            async for batch in outputs:
                 for _, out in batch:
                     c = out.outputs[0]
                     stable = len(c.text) if c.stable_len is None else c.stable_len
@@ -249,7 +248,7 @@ class SGLangServing(OpenAIServing):
         except STREAM_ERRORS as e:
             yield sse(engine_error(e).body())
         finally:
-            self.cancel(tasks)
+            await outputs.aclose()
         yield SSE_DONE
 
     def model_info(self) -> dict[str, Any]:

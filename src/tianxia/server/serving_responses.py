@@ -15,7 +15,6 @@ and ``GET /v1/responses/{id}`` can return it; an evicted or unknown id is a 404.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -30,7 +29,13 @@ from pydantic import ValidationError
 from tianxia.outputs import RequestOutput
 from tianxia.server.errors import APIError, bad_request, validation_error
 from tianxia.server.protocol import ChatCompletionRequest, ResponsesRequest
-from tianxia.server.serving_base import STREAM_ERRORS, ChoiceStream, Prepared, engine_error
+from tianxia.server.serving_base import (
+    STREAM_ERRORS,
+    ChoiceStream,
+    OutputBatches,
+    Prepared,
+    engine_error,
+)
 from tianxia.server.serving_chat import OpenAIServingChat
 from tianxia.server.tool_parsers import coalesce_tool_deltas
 
@@ -240,8 +245,8 @@ class OpenAIServingResponses(OpenAIServingChat):
         rid = _id("resp")
         created = int(time.time())
         if req.stream:
-            return await self.generate(rid, prep, raw, lambda merged, tasks: self._events(
-                req, rid, created, model, prep, conversation, merged, tasks))
+            return await self.generate(rid, prep, raw, lambda outputs: self._events(
+                req, rid, created, model, prep, conversation, outputs))
         outs = await self.generate(rid, prep, raw, None)
         if isinstance(outs, Response):
             return outs
@@ -257,7 +262,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def _events(self, req: ResponsesRequest, rid: str, created: int, model: str,
                       prep: Prepared, conversation: list[dict[str, Any]],
-                      merged: asyncio.Queue, tasks: list[asyncio.Task]) -> AsyncIterator[str]:
+                      outputs: OutputBatches) -> AsyncIterator[str]:
         seq = 0
 
         def event(kind: str, **fields: Any) -> str:
@@ -294,7 +299,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         try:
-            async for batch in self.merged_outputs(merged, len(tasks)):
+            async for batch in outputs:
                 for _, final in batch:
                     c = final.outputs[0]
                     if st.finished:
@@ -355,4 +360,4 @@ class OpenAIServingResponses(OpenAIServingChat):
             err = engine_error(e)
             yield event("error", code=err.code, message=err.message, param=err.param)
         finally:
-            self.cancel(tasks)
+            await outputs.aclose()
