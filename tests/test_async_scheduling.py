@@ -202,3 +202,50 @@ def test_gpu_steps_launched_ahead_give_what_plain_steps_give(tmp_path):
     assert plain[2][0][2] == "stop"
     assert engine.num_steps_ahead > 15 and engine.runner._prev_tokens.is_cuda
     assert _free_blocks(llm) == free
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sampler_queues_constrained_rows_without_a_host_sync():
+    """A step launched ahead samples on the device while its predecessor still runs, so the
+    sampler must not wait for the stream: min_tokens bans, allowed_token_ids, logit biases,
+    penalties and the seeded draw all go in without a synchronizing copy (CUDA's sync debug
+    mode turns one into an error), and the result is the host path's."""
+    from dataclasses import dataclass, field
+
+    from tianxia.layers.sampler import Sampler, SamplingBatch
+
+    @dataclass
+    class Row:  # what the sampler reads of a sequence
+        params: SamplingParams
+        output_token_ids: list[int]
+        prompt_token_ids: list[int] = field(default_factory=lambda: [3, 4, 5])
+        bad_words_ids: list[list[int]] = field(default_factory=list)
+        generator: torch.Generator | None = None
+        sample_seed: int | None = None
+        grammar: None = None
+
+        @property
+        def num_output_tokens(self) -> int:
+            return len(self.output_token_ids)
+
+    rows = [Row(SamplingParams(temperature=0, min_tokens=8, stop_token_ids=[7]), [1, 2]),
+            Row(SamplingParams(temperature=0, allowed_token_ids=[10, 11, 12]), [1]),
+            Row(SamplingParams(temperature=0, logit_bias={20: 50.0, 21: -100.0}), []),
+            Row(SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                               repetition_penalty=1.3), [30, 30, 31]),
+            Row(SamplingParams(temperature=0.8, top_p=0.9, seed=5, min_tokens=4), [1], sample_seed=5)]
+    batch = SamplingBatch.from_sequences(rows, eos_ids=(0,))
+    logits = torch.randn(len(rows), 512, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(seed=0)
+    expected = sampler.process(logits.clone(), batch)
+    gpu_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        processed = sampler.process(gpu_logits.clone(), batch)
+        tokens, dead = sampler.sample_on_device(gpu_logits.clone(), batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(processed.cpu(), expected)
+    assert tokens.is_cuda and not bool(dead.any())
+    assert int(tokens[1]) in (10, 11, 12) and int(tokens[2]) == 20 and int(tokens[0]) not in (0, 7)
