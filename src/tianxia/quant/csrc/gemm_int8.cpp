@@ -518,17 +518,34 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
   });
 }
 
-template <typename S>
-void product_of(const Packed& w, const Activations& a, const float* bias, float* out) {
-  switch (w.bits) {
-    case 4: return product_as<4, true, S>(w, a, bias, out);
-    case 5: return product_as<5, true, S>(w, a, bias, out);
-    case 6: return product_as<6, true, S>(w, a, bias, out);
-    default:
-      if (w.mins) return product_as<8, true, S>(w, a, bias, out);
-      return product_as<8, false, S>(w, a, bias, out);
+// Calls Kernel<BITS, MINS, S>::run for the weight's packed format: its bits, whether its blocks
+// carry mins, and its scales' type (the one dispatch of this file's kernels and the AMX ones)
+template <template <int, bool, typename> class Kernel>
+void by_packed_format(const Packed& w, const Activations& a, const float* bias, float* out) {
+  const auto with_scales = [&](auto scale) {
+    using S = decltype(scale);
+    switch (w.bits) {
+      case 4: return Kernel<4, true, S>::run(w, a, bias, out);
+      case 5: return Kernel<5, true, S>::run(w, a, bias, out);
+      case 6: return Kernel<6, true, S>::run(w, a, bias, out);
+      default:
+        if (w.mins) return Kernel<8, true, S>::run(w, a, bias, out);
+        return Kernel<8, false, S>::run(w, a, bias, out);
+    }
+  };
+  if (w.half) {
+    with_scales(uint16_t{});
+  } else {
+    with_scales(float{});
   }
 }
+
+template <int BITS, bool MINS, typename S>
+struct Product {
+  static void run(const Packed& w, const Activations& a, const float* bias, float* out) {
+    product_as<BITS, MINS, S>(w, a, bias, out);
+  }
+};
 
 // where a weight's quad scale table keeps its entries (counted in scales): per 32-value block of a
 // quad, 4 scales per group (two groups of 16, or one group), then as many mins where it has them;
@@ -594,11 +611,7 @@ void int8_product(const Packed& w, const Activations& a, const float* bias, floa
 #endif
   TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
               "int8_product: 8-bit activation rows of the weight's length");
-  if (w.half) {
-    product_of<uint16_t>(w, a, bias, out);
-  } else {
-    product_of<float>(w, a, bias, out);
-  }
+  by_packed_format<Product>(w, a, bias, out);
 }
 #endif
 

@@ -413,17 +413,12 @@ void amx_product_as(const Packed& w, const Activations& a, const float* bias, fl
   });
 }
 
-template <typename S>
-void amx_product_of(const Packed& w, const Activations& a, const float* bias, float* out) {
-  switch (w.bits) {
-    case 4: return amx_product_as<4, true, S>(w, a, bias, out);
-    case 5: return amx_product_as<5, true, S>(w, a, bias, out);
-    case 6: return amx_product_as<6, true, S>(w, a, bias, out);
-    default:
-      if (w.mins) return amx_product_as<8, true, S>(w, a, bias, out);
-      return amx_product_as<8, false, S>(w, a, bias, out);
+template <int BITS, bool MINS, typename S>
+struct AmxProduct {
+  static void run(const Packed& w, const Activations& a, const float* bias, float* out) {
+    amx_product_as<BITS, MINS, S>(w, a, bias, out);
   }
-}
+};
 
 }  // namespace
 
@@ -432,11 +427,7 @@ void int8_product_amx(const Packed& w, const Activations& a, const float* bias, 
   TORCH_CHECK(int8_path(w) && a.K == w.K && (int64_t)a.sums.size() == a.M * (a.K / 16),
               "int8_product: 8-bit activation rows of the weight's length");
   if (w.bits == 8 && has_min_code(a)) return int8_product_avx512(w, a, bias, out);
-  if (w.half) {
-    amx_product_of<uint16_t>(w, a, bias, out);
-  } else {
-    amx_product_of<float>(w, a, bias, out);
-  }
+  by_packed_format<AmxProduct>(w, a, bias, out);
 }
 
 bool amx_built() { return true; }
