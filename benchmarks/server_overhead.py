@@ -9,7 +9,9 @@ script runs, each in its own process:
   ``/v1/completions`` (prompts as token ids), without and with streaming;
 
 and reports tokens/s of each, with the server's step-size histogram from ``/metrics`` (many tiny
-steps mean that requests reached the engine one by one). On a machine with few cores the load
+steps mean that requests reached the engine one by one), and, for the streamed run, the CPU time
+the API process and the engine core spent per output token and the SSE chunks per token (a
+stream that falls behind sends one chunk for several tokens). On a machine with few cores the load
 generator competes with the server for them, which the figures include.
 
     python benchmarks/server_overhead.py --device cpu --requests 256
@@ -82,13 +84,30 @@ def step_histogram(port: int) -> dict[str, float]:
             for sample in family.samples if sample.name == "vllm:iteration_tokens_total_bucket"}
 
 
+def cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU microseconds per output token of the API process and of the engine core process(es)
+    between two :func:`process_cpu_seconds` snapshots."""
+    out: dict[str, float] = {}
+    for key, t in after.items():
+        if key not in before:
+            continue
+        kind = ("api_process" if "tianxia.cli serve" in key
+                else "engine_core" if "multiprocessing" in key else None)
+        if kind is not None:
+            out[kind] = out.get(kind, 0.0) + 1e6 * (t - before[key]) / tokens
+    return out
+
+
 def main() -> int:
     from gpu_build_startup import make_model_dir
+    from gpu_serving import process_cpu_seconds
     from serving_vs_llamacpp import free_port, server
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--stream-rounds", type=int, default=3,
+                    help="streamed runs; the one with the median API-process CPU per token is reported")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tx-overhead-"))
@@ -107,10 +126,22 @@ def main() -> int:
         before = step_histogram(port)
         res["served"] = asyncio.run(load(port, args.requests, stream=False))
         res["served_steps_by_tokens"] = {k: v - before.get(k, 0.0) for k, v in step_histogram(port).items()}
-        res["served_stream"] = asyncio.run(load(port, args.requests, stream=True))
+        rounds = []
+        for _ in range(args.stream_rounds):
+            before_cpu = process_cpu_seconds()
+            r = asyncio.run(load(port, args.requests, stream=True))
+            r["cpu_us_per_token"] = cpu_per_token(before_cpu, process_cpu_seconds(), r["tokens"])
+            rounds.append(r)
+        # the round with the median API-process CPU per token
+        rounds.sort(key=lambda r: r["cpu_us_per_token"].get("api_process", 0.0))
+        res["served_stream"] = dict(rounds[len(rounds) // 2], rounds=rounds)
     for k in ("offline", "served", "served_stream"):
         v = res[k]
         print(f"{k:>14}: {v['tokens'] / v['seconds']:8.0f} output tokens/s ({v['seconds']:.2f} s)")
+    v = res["served_stream"]
+    print(f"streaming (median of {len(v['rounds'])} rounds): {v['chunks_or_tokens'] / v['tokens']:.2f} chunks per token; "
+          "CPU per output token: "
+          + ", ".join(f"{k} {us:.1f} us" for k, us in v["cpu_us_per_token"].items()))
     hist = res["served_steps_by_tokens"]
     total = hist.get("+Inf", 0.0)
     print(f"served (no streaming): {total:.0f} steps, {hist.get('8.0', 0.0):.0f} of them with 8 tokens or fewer")
