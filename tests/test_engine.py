@@ -275,3 +275,19 @@ def test_copied_gguf_path_loads(smollm2_path, tmp_path):
     shutil.copy(smollm2_path, copy)
     llm = LLM(str(copy), kv_cache_memory="32MiB")
     assert llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_end_of_sequence_ids_outside_the_vocabulary_are_ignored(tmp_path, caplog):
+    """A config whose eos_token_id the model cannot produce (copied from another model): the
+    engine warns and ignores it, so min_tokens, which bans the EOS ids, still runs."""
+    from helpers import make_tiny_hf_model, make_word_level_tokenizer
+
+    tok = make_word_level_tokenizer(tmp_path / "tok", vocab_size=512)
+    model = make_tiny_hf_model("qwen2", tmp_path / "m", tok, vocab_size=512, eos_token_id=151643,
+                               num_hidden_layers=1)
+    with caplog.at_level("WARNING", logger="tianxia.engine.llm_engine"):
+        llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=128)
+    assert "151643" in caplog.text and 151643 not in llm.engine.eos_ids
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, min_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"

@@ -286,7 +286,14 @@ class LLMEngine:
         eos = list(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
-        self.eos_ids = tuple(eos)
+        # an end-of-sequence id the model cannot produce (a config copied from another model)
+        # would otherwise fail every min_tokens request where the sampler bans it
+        vocab = loaded.config.vocab_size
+        outside = [t for t in eos if not 0 <= t < vocab]
+        if outside:
+            logger.warning("end-of-sequence token id(s) %s are outside the model's vocabulary (%d); "
+                           "ignored", outside, vocab)
+        self.eos_ids = tuple(t for t in eos if 0 <= t < vocab)
 
         kv_scales = None
         if config.kv_scales_calibrated:  # before the fp8 cache exists: the probe's float cache is freed first
