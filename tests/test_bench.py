@@ -283,8 +283,8 @@ def test_failures_are_counted_not_raised(server, tmp_path, capsys):
     assert s["completed"] == 0 and s["failed"] == 4
     assert sum(s["errors"].values()) == 4 and "Connect" in next(iter(s["errors"]))
     captured = capsys.readouterr()
-    assert "Failed requests:" in captured.out and "ConnectError" in captured.out
-    assert "no request succeeded (4 failed); the first error: ConnectError" in captured.err
+    assert "Failed requests:" in captured.out and "ClientConnectorError" in captured.out
+    assert "no request succeeded (4 failed); the first error: ClientConnectorError" in captured.err
     assert (tmp_path / "dead.png").read_bytes()[:8] == PNG_MAGIC
 
 
