@@ -19,8 +19,8 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp

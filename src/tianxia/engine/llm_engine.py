@@ -293,7 +293,7 @@ class LLMEngine:
         if outside:
             logger.warning("end-of-sequence token id(s) %s are outside the model's vocabulary (%d); "
                            "ignored", outside, vocab)
-        self.eos_ids = tuple(t for t in eos if 0 <= t < vocab)
+        self.eos_ids = tuple(t for t in eos if t not in outside)
 
         kv_scales = None
         if config.kv_scales_calibrated:  # before the fp8 cache exists: the probe's float cache is freed first
