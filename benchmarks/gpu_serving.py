@@ -232,12 +232,14 @@ def main() -> int:
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
             points, cpu, rc = [], {}, 0
-            for rate in args.rates.split(","):
+            for k, rate in enumerate(args.rates.split(",")):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
                 steps0 = served_steps(base)
                 with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}"):
-                    r = subprocess.run(bench + ["--request-rates", rate, "--save-result", str(part)],
+                    # prompts of their own at each rate: none hits the prefix cache that an
+                    # earlier rate filled (the offline run, its ceiling, computes every prompt)
+                    r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
                                        capture_output=True, text=True)
                 steps = served_steps(base) - steps0  # the bench's warm-up requests included
                 rc = rc or r.returncode

@@ -742,6 +742,35 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
     _same_tokens_and_logprobs(eager, routed)
 
 
+@pytest.mark.skipif(CUDA, reason="the GPU benchmarks serve these steps for real")
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2", "falcon"])
+def test_prompt_chunks_beyond_the_graphs_take_the_fused_step(arch, family_models, monkeypatch):
+    """A step with prompt chunks that no decode graph holds (here: no graphs at all, as with more
+    rows than the largest graph) runs through the family's fused step, its chunks' attention in
+    the paged prefill kernel and logits for the sampled rows only, instead of the module forward:
+    staggered requests give the module forward's tokens and logprobs, and no step runs eagerly."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.models.falcon_gpu_step import FalconGpuStep
+    from tianxia.models.gpt2_gpu_step import GPT2GpuStep
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=16, max_model_len=64)
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runner = llm.engine.runner
+    runner.decode_step = runner.graph_runner = None
+    eager = _staggered(llm, prompts, params, "eager")
+    step_cls = LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep if arch == "gpt2" else FalconGpuStep
+    runner.decode_step = step_cls(runner.model, runner.kv_caches, 64)
+    runner.route_counts.clear()
+    fused = _staggered(llm, prompts, params, "fused")
+    assert runner.route_counts["eager"] == 0 and runner.route_counts["fused"] > 0, runner.route_counts
+    _same_tokens_and_logprobs(eager, fused)
+
+
 @pytest.mark.skipif(CUDA, reason="test_async_scheduling runs it on the GPU, captured")
 def test_steps_launched_ahead_through_the_gpu_route(family_models, monkeypatch):
     """Async scheduling over the GPU's route (uncaptured decode graphs, the Triton backend and

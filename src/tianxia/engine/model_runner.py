@@ -10,10 +10,11 @@ This is the one place that picks how a step runs (the *route*, counted in ``rout
 - ``graph``: a step of decodes, replayed from a CUDA graph of the family's fused decode step or,
   for a family without one, of its module forward (:mod:`tianxia.engine.cuda_graph`); a step
   with prompt chunks or verifications takes it as one-token rows where the graphs hold its rows;
-- ``fused``: a step of decodes only, through the family's fused step called directly (the CPU's
-  one-call C++ decoder; a GPU with graphs off);
+- ``fused``: the family's fused step called directly: a step of decodes (the CPU's one-call C++
+  decoder; a GPU with graphs off) and, on a GPU, a step with prompt chunks that the graphs do not
+  hold (logits of its sampled rows only);
 - ``eager``: the module forward (prompt chunks on a CPU, steps with more rows than a route takes,
-  prompt logprobs, adapters outside the fused step).
+  prompt logprobs, adapters).
 """
 
 from __future__ import annotations
@@ -117,14 +118,17 @@ class ModelRunner:
         """The step's token ids, positions and attention metadata on the device."""
         T, S = len(step.input_ids), step.num_seqs
         max_blocks = max(len(t) for t in step.block_tables)
-        # one host tensor (ids, positions, slots, lengths, zero-padded block tables) and one copy
+        # one host tensor (ids, positions, slots, lengths, query starts, zero-padded block tables) and one copy
         # to the device, instead of a tensor and a transfer each. Each part starts at an even
         # element (16 bytes): Triton specializes a kernel on its pointers' 16-byte alignment, so
         # parts at odd offsets would compile a second variant of every kernel mid-serving
         t_pad, s_pad = [0] * (T % 2), [0] * (S % 2)
         prev = [] if step.prev_rows is None else step.prev_rows + t_pad
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
         flat = (step.input_ids + t_pad + step.positions + t_pad + step.slot_mapping + t_pad
-                + step.seq_lens + s_pad + prev)
+                + step.seq_lens + s_pad + prev + starts + [0] * ((S + 1) % 2))  # ... query_start_loc
         for table in step.block_tables:
             flat += table
             flat += [0] * (max_blocks - len(table))
@@ -139,18 +143,18 @@ class ModelRunner:
             rows = buf[3 * T2 + S2 : 3 * T2 + S2 + T]
             # -1: a row with its own token (a prompt chunk's)
             ids = last[rows] if min(step.prev_rows) >= 0 else torch.where(rows >= 0, last[rows.clamp(min=0)], ids)
-        starts = [0]
-        for n in step.query_lens:
-            starts.append(starts[-1] + n)
+        at = 3 * T2 + S2 + len(prev)  # query_start_loc, then the block tables
+        tables_at = at + S + 1 + (S + 1) % 2
         meta = AttentionMetadata(
             slot_mapping=buf[2 * T2 : 2 * T2 + T],
-            block_tables=buf[3 * T2 + S2 + len(prev) :].view(S, max_blocks),
+            block_tables=buf[tables_at:].view(S, max_blocks),
             seq_lens=step.seq_lens,
             query_lens=step.query_lens,
             query_start_loc=starts,
             num_decodes=step.num_decodes,
             seq_lens_tensor=buf[3 * T2 : 3 * T2 + S],
             block_size=self.block_size,
+            query_start_tensor=buf[at : at + S + 1],
         )
         return ids, buf[T2 : T2 + T], meta
 
@@ -180,7 +184,8 @@ class ModelRunner:
             # deltas, unless the fused decode step or the decode graphs take them
             graph_logits = (self._decode_logits(flat or step, ids, pos, meta)
                             if not row_slots or self.fused_lora or on_device else None)
-            if graph_logits is not None:
+            row_logits = None if graph_logits is not None or not rows else self._mixed_logits(step, ids, pos, meta, rows)
+            if graph_logits is not None or row_logits is not None:
                 hidden = None
             elif keep is not None:
                 hidden = self.model(ids, pos, self.kv_caches, meta,
@@ -199,9 +204,11 @@ class ModelRunner:
             self._prompt_logprobs(step, hidden, meta, result)
         if not rows:
             return result
-        if graph_logits is not None:
+        if row_logits is not None:
+            logits = row_logits
+        elif graph_logits is not None:
             same = len(rows) == graph_logits.shape[0] and rows == list(range(len(rows)))
-            logits = graph_logits if same else graph_logits[torch.tensor(rows, device=self.device)]
+            logits = graph_logits if same else graph_logits[to_device(torch.tensor(rows), self.device)]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         nan_rows = self._nan_rows(logits, step.fault_nan_rows)
@@ -395,6 +402,18 @@ class ModelRunner:
             self.route_counts["fused"] += 1
             return step_fn(ids, pos, meta)
         return None
+
+    def _mixed_logits(self, step: StepInput, ids, pos, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor | None:
+        """Logits of ``rows`` of a step with prompt rows from the fused step, where it takes them
+        (on a GPU: a third of the module forward's launches, which set a mixed step's time), else
+        None. Not with adapters (their hooks follow the module forward's rows) or where every
+        row's hidden state is needed (prompt logprobs, embeddings)."""
+        step_fn = self.decode_step
+        if (step_fn is None or not getattr(step_fn, "takes_prompt_rows", False) or self.lora is not None
+                or step.all_rows or step.prompt_logprobs):
+            return None
+        self.route_counts["fused"] += 1
+        return step_fn(ids, pos, meta, rows=to_device(torch.tensor(rows), self.device))
 
     def _rows_to_keep(self, step: StepInput, rows: list[int], tokens: int) -> list[int] | None:
         """The hidden rows a step needs (those it samples from), where the model can drop the

@@ -33,6 +33,11 @@ class DecodeStep(Protocol):
     their logits are ignored. ``meta.num_splits`` fixes the decode attention's split count when a
     graph is captured (its grid must not depend on the context lengths).
 
+    A step with ``takes_prompt_rows`` also runs a mixed step (decodes first, then prompt chunks,
+    as :class:`AttentionMetadata` lays them out) and returns the logits of ``rows`` only: on a GPU
+    the runner sends it the mixed steps its decode graphs cannot replay, whose module forward
+    launches three times as many kernels.
+
     A step may also take rows with LoRA adapters: it then has ``attach_lora(state)``
     (:class:`~tianxia.layers.lora.LoRAState`), which returns whether it adds the deltas of the
     step's adapter runs itself (else the runner sends those steps to the module forward).
@@ -47,7 +52,7 @@ class DecodeStep(Protocol):
     def set_variant(self, name: str) -> None: ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor: ...
+                 meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -75,14 +75,16 @@ class FalconGpuStep(GpuStep):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for one decode token per row."""
-        from tianxia.layers.attention.triton_attention import decode_attention
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
+        prompt chunks after its decodes."""
+        from tianxia.layers.attention.triton_attention import paged_attention
         from tianxia.layers.attention.triton_rope import rope_write_kv
 
         B = input_ids.shape[0]
         hq, hk, d, rope = self.num_heads, self.num_kv_heads, self.head_dim, self.rope
-        splits = attention_splits(B, hk, meta)
+        splits = attention_splits(hk, meta)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.embed)
         res = None
@@ -90,8 +92,7 @@ class FalconGpuStep(GpuStep):
             qkv, res = norm_linear(x, res, L["ln_attn"], L["qkv"], g)
             q = rope_write_kv(qkv, positions, rope.cos_sin, kv_cache, meta.slot_mapping, hq, hk, d,
                               rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, kv_scale=L["kv_scale"])
-            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
-                                 kv_scale=L["kv_scale"])
+            o = paged_attention(q, kv_cache, meta, L["scale"], splits, kv_scale=L["kv_scale"])
             attn_out = linear(L["dense"], o.view(B, hq * d), g)
             if L["post_ln"] is None:
                 # attention and MLP both read the residual stream; their sum is added to it next
@@ -100,4 +101,6 @@ class FalconGpuStep(GpuStep):
             else:
                 h, res = norm_linear(attn_out, res, L["post_ln"], L["up"], g, out_act=self.act)
                 x = linear(L["down"], h, g)
+        if rows is not None:
+            x, res = x[rows], res[rows]
         return lm_logits(x, res, self.final_norm, self.lm_head, g)

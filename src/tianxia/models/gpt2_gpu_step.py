@@ -55,13 +55,15 @@ class GPT2GpuStep(GpuStep):
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for one decode token per row."""
-        from tianxia.layers.attention.triton_attention import decode_attention, write_kv
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
+        prompt chunks after its decodes."""
+        from tianxia.layers.attention.triton_attention import paged_attention, write_kv
 
         B = input_ids.shape[0]
         h, d = self.num_heads, self.head_dim
-        splits = attention_splits(B, h, meta)
+        splits = attention_splits(h, meta)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)
         res = None
@@ -70,9 +72,10 @@ class GPT2GpuStep(GpuStep):
             # views of the fused output: the kernels take its row stride, so nothing is copied
             q, k, v = qkv.view(B, 3, h, d).unbind(1)
             write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale=L["kv_scale"])
-            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
-                                 kv_scale=L["kv_scale"])
+            o = paged_attention(q, kv_cache, meta, L["scale"], splits, kv_scale=L["kv_scale"])
             x = linear(L["attn_proj"], o.view(B, h * d), g)
             act, res = norm_linear(x, res, L["ln2"], L["c_fc"], g, out_act=self.act)
             x = linear(L["mlp_proj"], act, g)
+        if rows is not None:
+            x, res = x[rows], res[rows]
         return lm_logits(x, res, self.final_norm, self.lm_head, g)

@@ -59,6 +59,7 @@ class GpuStep:
     GEMVs, or cuBLAS products, which win on small models)."""
 
     max_batch = None
+    takes_prompt_rows = True  # attention through paged_attention: decode rows and prompt chunks
     variants = ("gemv", "cublas")
     use_gemv = True
 
@@ -125,8 +126,9 @@ def lm_logits(x: torch.Tensor, residual: torch.Tensor | None, norm: StepNorm, lm
     return logits.float()
 
 
-def attention_splits(batch: int, num_kv_heads: int, meta: AttentionMetadata) -> int:
-    """The decode attention's split count: fixed by the graph's metadata when captured."""
-    from tianxia.layers.attention.triton_attention import decode_num_splits
+def attention_splits(num_kv_heads: int, meta: AttentionMetadata) -> int:
+    """The decode attention's split count, once a step: fixed by the graph's metadata when
+    captured, else from the decode rows' contexts."""
+    from tianxia.layers.attention.triton_attention import decode_splits
 
-    return meta.num_splits or decode_num_splits(batch, num_kv_heads, max(meta.seq_lens, default=1))
+    return decode_splits(meta, num_kv_heads)

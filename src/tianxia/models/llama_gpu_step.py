@@ -7,7 +7,9 @@ model's own weights through the Triton ops of :mod:`tianxia.layers.triton_pointw
 the module tree, and the engine's CUDA-graph runner (:mod:`tianxia.engine.cuda_graph`) captures
 it. Per layer: residual add + RMSNorm, the qkv projection, the q/k norms + RoPE + KV write in one
 kernel, split-K paged decode attention, the output projection, add + RMSNorm, gate/up, the gated
-activation, down. At batch 1 each projection is a Triton GEMV with the norm fused into its
+activation, down. A mixed step (prompt chunks after the decodes) runs here too, uncaptured, its
+chunks' attention in the paged prefill kernel and logits for its sampled rows only: a third of
+the module forward's launches, which set such a step's time on the host. At batch 1 each projection is a Triton GEMV with the norm fused into its
 prologue and the bias / gated activation into its epilogue (6 or 7 launches a layer), unless a
 cuBLAS-projection graph replays faster at capture time (small models: the ``cublas`` variant); at
 larger batches the projections are cuBLAS GEMMs. Those two forms of a sub-layer are
@@ -91,14 +93,16 @@ class LlamaGpuStep(GpuStep):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for one decode token per row."""
-        from tianxia.layers.attention.triton_attention import decode_attention
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
+        prompt chunks after its decodes."""
+        from tianxia.layers.attention.triton_attention import paged_attention
         from tianxia.layers.attention.triton_rope import rope_write_kv
 
         B = input_ids.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        splits = attention_splits(B, hk, meta)
+        splits = attention_splits(hk, meta)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
@@ -112,9 +116,8 @@ class LlamaGpuStep(GpuStep):
             q = rope_write_kv(qkv, positions, rope.cos_sin, kv_cache, meta.slot_mapping, hq, hk, d,
                               rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, q_norm=qn, k_norm=kn,
                               eps=qk_eps, gemma_norm=self.gemma, kv_scale=L["kv_scale"])
-            o = decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens_tensor, L["scale"], splits,
-                                 sliding_window=L["window"], softcap=L["softcap"],
-                                 kv_scale=L["kv_scale"]).view(B, hq * d)
+            o = paged_attention(q, kv_cache, meta, L["scale"], splits, sliding_window=L["window"],
+                                softcap=L["softcap"], kv_scale=L["kv_scale"]).view(B, hq * d)
             x = linear(L["o"], o, g)
             ffn = norms["ln2"]
             if L["sandwich"]:
@@ -124,6 +127,8 @@ class LlamaGpuStep(GpuStep):
             x = linear(L["down"], act, g)
             if L["sandwich"]:
                 x, _ = norms["post_ff"](x, None)
+        if rows is not None:
+            x, res = x[rows], res[rows]
         logits = lm_logits(x, res, self.final_norm, self.lm_head, g)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

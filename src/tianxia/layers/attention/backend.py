@@ -28,6 +28,9 @@ class AttentionMetadata:
     # the decode attention's split count, fixed by a CUDA-graph capture (its grid cannot follow
     # the context lengths); None: the backend picks it from seq_lens
     num_splits: int | None = None
+    # query_start_loc on the device (int64; the runner copies it with the step's other inputs);
+    # None: a backend that needs it makes it
+    query_start_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

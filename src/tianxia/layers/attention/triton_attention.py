@@ -406,6 +406,49 @@ def prefill_attention(
 # --- the backend ------------------------------------------------------------------------------------
 
 
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]: the step's rows, decodes first
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a step's rows over the paged cache, their K/V already written: split-K decode
+    for the one-token rows, paged flash prefill for the prompt chunks. ``num_splits`` (the
+    decode's split count) defaults to :func:`decode_splits`'s."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        if num_splits is None:
+            num_splits = decode_splits(meta, kv_cache.shape[3], sliding_window)
+        decode_attention(
+            q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, num_splits,
+            out=out[:nd], sliding_window=sliding_window, softcap=softcap, kv_scale=kv_scale,
+        )
+    if meta.num_seqs > nd:
+        prefill_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens_tensor, _step_tensors(meta, q.device), nd,
+            meta.num_seqs - nd, aux_max_query_len(meta), scale, out, sliding_window=sliding_window,
+            softcap=softcap, kv_scale=kv_scale,
+        )
+    return out
+
+
+def decode_splits(meta: AttentionMetadata, num_kv_heads: int, sliding_window: int | None = None) -> int:
+    """The decode rows' split count: the one a CUDA-graph capture fixed, else from their longest
+    context (what a window lets them see of it)."""
+    if meta.num_splits is not None:
+        return meta.num_splits
+    nd = meta.num_decodes
+    max_ctx = max(meta.seq_lens[:nd], default=1)
+    if sliding_window is not None:
+        max_ctx = min(max_ctx, sliding_window)
+    return decode_num_splits(nd, num_kv_heads, max_ctx)
+
+
 @register_backend("triton")
 class TritonAttention(AttentionBackend):
     """The CUDA backend: Triton KV write, split-K paged decode, paged flash prefill."""
@@ -414,27 +457,8 @@ class TritonAttention(AttentionBackend):
                 sliding_window: int | None = None, softcap: float | None = None,
                 kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            splits = meta.num_splits
-            if splits is None:
-                max_ctx = max(meta.seq_lens[:nd])
-                if sliding_window is not None:
-                    max_ctx = min(max_ctx, sliding_window)
-                splits = decode_num_splits(nd, k.shape[1], max_ctx)
-            decode_attention(
-                q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, splits,
-                out=out[:nd], sliding_window=sliding_window, softcap=softcap, kv_scale=kv_scale,
-            )
-        if meta.num_seqs > nd:
-            prefill_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, _step_tensors(meta, q.device), nd,
-                meta.num_seqs - nd,
-                aux_max_query_len(meta), scale, out, sliding_window=sliding_window, softcap=softcap,
-                kv_scale=kv_scale,
-            )
-        return out
+        return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window, softcap=softcap,
+                               kv_scale=kv_scale)
 
 
 def aux_max_query_len(meta: AttentionMetadata) -> int:
@@ -442,7 +466,10 @@ def aux_max_query_len(meta: AttentionMetadata) -> int:
 
 
 def _step_tensors(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-    """``query_start_loc`` on the device, made once per step and kept on the metadata object."""
+    """``query_start_loc`` on the device: the runner's copy, or one made once per step and kept
+    on the metadata object."""
+    if meta.query_start_tensor is not None:
+        return meta.query_start_tensor
     qsl = getattr(meta, "_triton_qsl", None)
     if qsl is None:
         qsl = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=device)
