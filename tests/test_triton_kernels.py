@@ -742,6 +742,53 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
     _same_tokens_and_logprobs(eager, routed)
 
 
+@pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
+def test_mixed_steps_above_the_decode_batch_ride_the_larger_graphs(family_models, monkeypatch):
+    """The decode graphs go past ``max_num_seqs`` rows (``max_rows``): a mixed step with more
+    rows than a decode batch replays them where its prompts are short, and takes the fused step
+    where its prompt rows would read more context than the bound (here lowered to 8 positions), giving the module
+    forward's tokens and logprobs either way. Uncaptured here, with the Triton backend."""
+    from tianxia import LLM, SamplingParams
+    from tianxia.engine import model_runner
+    from tianxia.engine.cuda_graph import CudaGraphRunner
+    from tianxia.models.llama_gpu_step import LlamaGpuStep
+
+    monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
+    llm = LLM(str(family_models("qwen2")), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=4, max_model_len=64)
+    cfg, runner = llm.engine.model_config, llm.engine.runner
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runner.decode_step = runner.graph_runner = None
+    eager = _staggered(llm, prompts, params, "eager")
+    step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
+    runner.decode_step = step
+    gr = CudaGraphRunner(step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads,
+                         block_size=4, max_num_seqs=4, max_model_len=64, device=DEV,
+                         variants=step.variants, set_variant=step.set_variant, use_graphs=False, max_rows=16)
+    gr.capture()
+    assert gr.ladder == [1, 2, 4, 16]
+    runner.graph_runner = gr
+    rows = []
+    as_decodes = runner._as_decodes
+
+    def watch(s, verification):
+        flat = as_decodes(s, verification)
+        if flat is not None and not verification:
+            rows.append(len(flat.input_ids))
+        return flat
+
+    monkeypatch.setattr(runner, "_as_decodes", watch)
+    runner.route_counts.clear()
+    _same_tokens_and_logprobs(eager, _staggered(llm, prompts, params, "graph"))
+    assert max(rows) > 4 and runner.route_counts["eager"] == runner.route_counts["fused"] == 0, (rows, runner.route_counts)
+    monkeypatch.setattr(model_runner, "_MIXED_ROWS_CONTEXT", 8)
+    runner.route_counts.clear()
+    _same_tokens_and_logprobs(eager, _staggered(llm, prompts, params, "bounded"))
+    assert runner.route_counts["fused"] > 0 and runner.route_counts["eager"] == 0, runner.route_counts
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU benchmarks serve these steps for real")
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2", "falcon"])
 def test_prompt_chunks_beyond_the_graphs_take_the_fused_step(arch, family_models, monkeypatch):

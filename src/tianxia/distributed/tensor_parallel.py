@@ -520,10 +520,11 @@ class TensorParallelRunner(ModelRunner):
         return super().tensors(step)
 
     def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                     fused_step: bool = True) -> None:
+                     fused_step: bool = True, max_rows: int | None = None) -> None:
         """Every rank sets up the same route at once (on CUDA: captures the same graphs of its
         module forward, whose warm-up steps run the collectives together). Rank 0 captures its own
-        shard's forward, which sends the workers nothing."""
+        shard's forward, which sends the workers nothing. The graphs stop at decode batches
+        (``max_rows`` is not taken): mixed steps run the module forward on every rank."""
         tp_model: TensorParallelModel = self.model
         workers = tp_model.workers
         workers.send(("setup_decode", max_num_seqs, max_model_len, enforce_eager))

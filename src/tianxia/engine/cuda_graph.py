@@ -35,11 +35,24 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tenso
 _CAPTURE_MODE = "thread_local"
 
 
-def batch_ladder(max_num_seqs: int) -> list[int]:
+def batch_ladder(max_num_seqs: int, max_rows: int | None = None) -> list[int]:
+    """1, 2, 4, 8, steps of 16 up to ``max_num_seqs``, then steps of 64 up to ``max_rows``: the
+    sizes above a decode batch are mixed steps run as one-token rows (prompt chunks beside
+    decodes), whose module forward or uncaptured fused step the host's launches would bound."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     sizes.append(max_num_seqs)
+    if max_rows is not None and max_rows > max_num_seqs:
+        sizes += list(range(max_num_seqs + 64, max_rows, 64))
+        sizes.append(max_rows)
     return sorted(set(sizes))
+
+
+def mixed_step_rows(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most rows the decode graphs take: a full decode batch plus a few prompts' worth (four
+    times the batch, at most 1024 rows, within the step's token budget). Their logits buffer,
+    ``rows x vocab`` float32, is what the extra sizes cost in memory."""
+    return max(max_num_seqs, min(max_num_batched_tokens, 4 * max_num_seqs, 1024))
 
 
 def module_decode_fn(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> DecodeFn:
@@ -61,7 +74,7 @@ class CudaGraphRunner:
     def __init__(self, decode: DecodeFn, *, vocab_size: int, num_kv_heads: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device,
                  variants: tuple[str, ...] = (), set_variant: Callable[[str], None] | None = None,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, max_rows: int | None = None) -> None:
         from tianxia.layers.attention.triton_attention import decode_num_splits
 
         self.decode = decode
@@ -69,8 +82,9 @@ class CudaGraphRunner:
         self.set_variant = set_variant
         self.device = device
         self.block_size = block_size
-        self.ladder = batch_ladder(max_num_seqs)
-        self.max_batch = self.ladder[-1]
+        self.ladder = batch_ladder(max_num_seqs, max_rows)
+        self.max_batch = self.ladder[-1]  # rows, prompt rows included
+        self.max_num_seqs = max_num_seqs  # the largest decode batch
         P = self.max_batch
         max_blocks = (max_model_len + block_size - 1) // block_size + 1
         self.ids = torch.zeros(P, dtype=torch.int64, device=device)

@@ -13,6 +13,7 @@ import torch
 from tianxia.config import FP8_KV_NAMES, EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
+from tianxia.engine.cuda_graph import mixed_step_rows
 from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.engine.overlap import LaunchedStep, next_step
@@ -141,10 +142,11 @@ def make_runner(model, model_config, cache_config, device, dtype, seed,
 
 
 def setup_decode(runner: ModelRunner, max_num_seqs: int, max_model_len: int, enforce_eager: bool,
-                 fused_step: bool = True) -> None:
+                 fused_step: bool = True, max_rows: int | None = None) -> None:
     """The runner's decode route (fused step, CUDA graphs); out of GPU memory is a message."""
     try:
-        runner.setup_decode(max_num_seqs, max_model_len, enforce_eager=enforce_eager, fused_step=fused_step)
+        runner.setup_decode(max_num_seqs, max_model_len, enforce_eager=enforce_eager, fused_step=fused_step,
+                            max_rows=max_rows)
     except torch.cuda.OutOfMemoryError as e:
         raise ValueError(_oom_message("capturing the decode CUDA graphs", runner.device, e)) from None
 
@@ -188,7 +190,8 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     torch.cuda.empty_cache()
     vocab = model_config.vocab_size
     sampler = 4 * sched.max_num_seqs * vocab * 4  # float32 logits, probabilities, sort buffers
-    graphs = 0 if config.enforce_eager or config.batch_invariant else sched.max_num_seqs * vocab * 6 + (256 << 20)
+    graphs = (0 if config.enforce_eager or config.batch_invariant
+              else mixed_step_rows(sched.max_num_seqs, sched.max_num_batched_tokens) * vocab * 6 + (256 << 20))
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights, the CUDA context, other processes
     kv = int(frac * total) - in_use - activations - sampler - graphs
@@ -341,7 +344,8 @@ class LLMEngine:
             self.lora_manager = LoRAManager(loaded.model, config.lora, max_rows=sched.max_num_seqs)
             self.runner.lora = self.lora_manager.state
         setup_decode(self.runner, sched.max_num_seqs, max_len, config.enforce_eager or gpu_invariant,
-                     fused_step=not gpu_invariant)
+                     fused_step=not gpu_invariant,
+                     max_rows=mixed_step_rows(sched.max_num_seqs, sched.max_num_batched_tokens))
         from dataclasses import replace
 
         self.scheduler = Scheduler(replace(sched, max_model_len=max_len), self.block_manager,

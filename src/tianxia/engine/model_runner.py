@@ -39,6 +39,21 @@ from tianxia.quant.kv_blocks import kv_row_bytes
 
 logger = logging.getLogger(__name__)
 
+# above the decode batch sizes (cuda_graph.mixed_step_rows), the most context positions a mixed
+# step's prompt rows may read as one-token rows in a decode graph, all of them together: each row
+# reads its whole context, where the prefill kernel reads it once per tile of 64 rows (a few
+# short prompts beside the decodes, not a long chunk)
+_MIXED_ROWS_CONTEXT = 1 << 17
+
+
+def _prompt_rows_context(step: StepInput) -> int:
+    """The context positions the prompt rows of ``step`` read, summed over the rows."""
+    total = 0
+    for q, n in zip(step.query_lens[step.num_decodes:], step.seq_lens[step.num_decodes:]):
+        total += q * n - q * (q - 1) // 2
+    return total
+
+
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float8_e4m3fn: 1}
 
 
@@ -259,10 +274,11 @@ class ModelRunner:
         if verification and (not self.verifies_as_decodes or step.spec_groups is None
                              or len(set(step.sample_rows)) != num_rows):
             return None
-        if self.graph_runner is not None:
-            # no more rows than a decode step of max_num_seqs sequences: the GPU fused step's
-            # buffers (where the graphs stop) are sized for that many
-            if num_rows > self.graph_runner.max_batch:
+        gr = self.graph_runner
+        if gr is not None:
+            if num_rows > gr.max_batch:
+                return None
+            if num_rows > gr.max_num_seqs and _prompt_rows_context(step) > _MIXED_ROWS_CONTEXT:
                 return None
         elif self.device.type != "cpu" or self.decode_step is None:
             return None
@@ -331,10 +347,11 @@ class ModelRunner:
     # --- decode routes ------------------------------------------------------------------------
 
     def setup_decode(self, max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                     fused_step: bool = True) -> None:
+                     fused_step: bool = True, max_rows: int | None = None) -> None:
         """Pick the decode route: the family's fused step if it has one for this device (and
         ``fused_step``), and on CUDA (unless ``enforce_eager``) CUDA graphs of that step or of the
-        module forward."""
+        module forward, for up to ``max_rows`` one-token rows (mixed steps; default
+        ``max_num_seqs``)."""
         from tianxia.layers.rotary import RotaryEmbedding
 
         if self.device.type != "cpu":
@@ -374,14 +391,16 @@ class ModelRunner:
             vocab_size=self.config.vocab_size, num_kv_heads=self.config.num_key_value_heads,
             block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             device=self.device, variants=step.variants if step is not None else (),
-            set_variant=step.set_variant if step is not None else None,
+            set_variant=step.set_variant if step is not None else None, max_rows=max_rows,
         )
         runner.capture()
         logger.info("decode steps: CUDA graphs of the %s", "fused step" if step is not None else "module forward")
         self.graph_runner = runner
         if self.sampler.samples_on_device(runner.logits):
             # sampled steps replay the sampler too, reading the decode graphs' logits in place
-            graphs = SamplerGraphs(runner.ladder, self.config.vocab_size, self.device, logits=runner.logits)
+            # (only decode batches' sizes: a mixed step samples no more rows than it has sequences)
+            graphs = SamplerGraphs([p for p in runner.ladder if p <= max_num_seqs], self.config.vocab_size,
+                                   self.device, logits=runner.logits)
             try:
                 graphs.warm_up(DEFAULT_KINDS)
                 self.sampler.graphs = graphs
