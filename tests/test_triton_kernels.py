@@ -708,6 +708,21 @@ def _staggered(llm, prompts, params, tag: str) -> list:
     return [done[rid] for rid in order]
 
 
+def _staggered_eager(family_models, arch: str, max_num_seqs: int):
+    """An engine on the Triton backend (no fused step, no graphs), the staggered prompts and
+    parameters the route tests use, and their outputs through the module forward."""
+    from tianxia import LLM, SamplingParams
+
+    llm = LLM(str(family_models(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=max_num_seqs, max_model_len=64)
+    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
+    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    runner = llm.engine.runner
+    runner.decode_step = runner.graph_runner = None
+    return llm, prompts, params, _staggered(llm, prompts, params, "eager")
+
+
 @pytest.mark.skipif(CUDA, reason="the GPU captures these for real in the GPU benchmarks")
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gpt2"])
 def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models, monkeypatch):
@@ -715,21 +730,13 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
     decodes) replays them as one-token rows instead of launching the module forward: requests
     that arrive while others decode give the eager path's tokens and logprobs, and no step runs
     eagerly. Uncaptured here, with the Triton backend, as above."""
-    from tianxia import LLM, SamplingParams
     from tianxia.engine.cuda_graph import CudaGraphRunner
     from tianxia.models.gpt2_gpu_step import GPT2GpuStep
     from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(family_models(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
-              max_num_seqs=16, max_model_len=64)
-    cfg = llm.engine.model_config
-    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
-    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    runner = llm.engine.runner
-    runner.decode_step = runner.graph_runner = None
-    eager = _staggered(llm, prompts, params, "eager")
+    llm, prompts, params, eager = _staggered_eager(family_models, arch, 16)
+    cfg, runner = llm.engine.model_config, llm.engine.runner
     step = (LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep)(runner.model, runner.kv_caches, 64)
     gr = CudaGraphRunner(step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads,
                          block_size=4, max_num_seqs=16, max_model_len=64, device=DEV,
@@ -746,22 +753,16 @@ def test_prompt_chunks_beside_decodes_ride_the_decode_graphs(arch, family_models
 def test_mixed_steps_above_the_decode_batch_ride_the_larger_graphs(family_models, monkeypatch):
     """The decode graphs go past ``max_num_seqs`` rows (``max_rows``): a mixed step with more
     rows than a decode batch replays them where its prompts are short, and takes the fused step
-    where its prompt rows would read more context than the bound (here lowered to 8 positions), giving the module
-    forward's tokens and logprobs either way. Uncaptured here, with the Triton backend."""
-    from tianxia import LLM, SamplingParams
+    where its prompt rows would read more context than the bound (here lowered to 8 positions),
+    giving the module forward's tokens and logprobs either way. Uncaptured here, with the Triton
+    backend."""
     from tianxia.engine import model_runner
     from tianxia.engine.cuda_graph import CudaGraphRunner
     from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(family_models("qwen2")), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
-              max_num_seqs=4, max_model_len=64)
+    llm, prompts, params, eager = _staggered_eager(family_models, "qwen2", 4)
     cfg, runner = llm.engine.model_config, llm.engine.runner
-    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
-    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    runner.decode_step = runner.graph_runner = None
-    eager = _staggered(llm, prompts, params, "eager")
     step = LlamaGpuStep(runner.model, runner.kv_caches, 64)
     runner.decode_step = step
     gr = CudaGraphRunner(step, vocab_size=cfg.vocab_size, num_kv_heads=cfg.num_key_value_heads,
@@ -796,20 +797,13 @@ def test_prompt_chunks_beyond_the_graphs_take_the_fused_step(arch, family_models
     rows than the largest graph) runs through the family's fused step, its chunks' attention in
     the paged prefill kernel and logits for the sampled rows only, instead of the module forward:
     staggered requests give the module forward's tokens and logprobs, and no step runs eagerly."""
-    from tianxia import LLM, SamplingParams
     from tianxia.models.falcon_gpu_step import FalconGpuStep
     from tianxia.models.gpt2_gpu_step import GPT2GpuStep
     from tianxia.models.llama_gpu_step import LlamaGpuStep
 
     monkeypatch.setenv("TIANXIA_ATTENTION_BACKEND", "triton")
-    llm = LLM(str(family_models(arch)), num_kv_blocks=64, block_size=4, enable_prefix_caching=False,
-              max_num_seqs=16, max_model_len=64)
-    ids = llm.get_tokenizer().encode("the quick brown fox jumps over the lazy dog and the river")
-    prompts = [ids[:3], ids[2:7], ids[:4], ids[5:11]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    llm, prompts, params, eager = _staggered_eager(family_models, arch, 16)
     runner = llm.engine.runner
-    runner.decode_step = runner.graph_runner = None
-    eager = _staggered(llm, prompts, params, "eager")
     step_cls = LlamaGpuStep if arch in LLAMA_STYLE else GPT2GpuStep if arch == "gpt2" else FalconGpuStep
     runner.decode_step = step_cls(runner.model, runner.kv_caches, 64)
     runner.route_counts.clear()
