@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.models.gpu_step import GpuStep, StepNorm, attention_splits, linear, lm_logits, norm_linear
+from tianxia.models.gpu_step import GpuStep, StepNorm, linear, lm_logits, norm_linear
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -79,12 +79,12 @@ class FalconGpuStep(GpuStep):
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
         prompt chunks after its decodes."""
-        from tianxia.layers.attention.triton_attention import paged_attention
+        from tianxia.layers.attention.triton_attention import decode_splits, paged_attention
         from tianxia.layers.attention.triton_rope import rope_write_kv
 
         B = input_ids.shape[0]
         hq, hk, d, rope = self.num_heads, self.num_kv_heads, self.head_dim, self.rope
-        splits = attention_splits(hk, meta)
+        splits = decode_splits(meta, hk)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.embed)
         res = None
@@ -101,6 +101,4 @@ class FalconGpuStep(GpuStep):
             else:
                 h, res = norm_linear(attn_out, res, L["post_ln"], L["up"], g, out_act=self.act)
                 x = linear(L["down"], h, g)
-        if rows is not None:
-            x, res = x[rows], res[rows]
-        return lm_logits(x, res, self.final_norm, self.lm_head, g)
+        return lm_logits(x, res, self.final_norm, self.lm_head, g, rows)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tianxia.layers.attention import AttentionMetadata
-from tianxia.models.gpu_step import GpuStep, StepNorm, attention_splits, linear, lm_logits, norm_linear
+from tianxia.models.gpu_step import GpuStep, StepNorm, linear, lm_logits, norm_linear
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -59,11 +59,11 @@ class GPT2GpuStep(GpuStep):
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
         prompt chunks after its decodes."""
-        from tianxia.layers.attention.triton_attention import paged_attention, write_kv
+        from tianxia.layers.attention.triton_attention import decode_splits, paged_attention, write_kv
 
         B = input_ids.shape[0]
         h, d = self.num_heads, self.head_dim
-        splits = attention_splits(h, meta)
+        splits = decode_splits(meta, h)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)
         res = None
@@ -76,6 +76,4 @@ class GPT2GpuStep(GpuStep):
             x = linear(L["attn_proj"], o.view(B, h * d), g)
             act, res = norm_linear(x, res, L["ln2"], L["c_fc"], g, out_act=self.act)
             x = linear(L["mlp_proj"], act, g)
-        if rows is not None:
-            x, res = x[rows], res[rows]
-        return lm_logits(x, res, self.final_norm, self.lm_head, g)
+        return lm_logits(x, res, self.final_norm, self.lm_head, g, rows)

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
 
 
@@ -114,8 +113,11 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: StepNorm, 
 
 
 def lm_logits(x: torch.Tensor, residual: torch.Tensor | None, norm: StepNorm, lm_head: torch.Tensor,
-              gemv_path: bool) -> torch.Tensor:
-    """float32 logits of the final ``norm(x + residual)`` against the LM head's weight."""
+              gemv_path: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits of the final ``norm(x + residual)`` against the LM head's weight, of every
+    row or of ``rows`` (a mixed step's sampled rows)."""
+    if rows is not None:
+        x, residual = x[rows], residual[rows]
     if gemv_path:
         from tianxia.layers.triton_linear import gemv
 
@@ -125,10 +127,3 @@ def lm_logits(x: torch.Tensor, residual: torch.Tensor | None, norm: StepNorm, lm
         logits = F.linear(h, lm_head)
     return logits.float()
 
-
-def attention_splits(num_kv_heads: int, meta: AttentionMetadata) -> int:
-    """The decode attention's split count, once a step: fixed by the graph's metadata when
-    captured, else from the decode rows' contexts."""
-    from tianxia.layers.attention.triton_attention import decode_splits
-
-    return decode_splits(meta, num_kv_heads)

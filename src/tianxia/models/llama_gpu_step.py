@@ -9,8 +9,9 @@ it. Per layer: residual add + RMSNorm, the qkv projection, the q/k norms + RoPE 
 kernel, split-K paged decode attention, the output projection, add + RMSNorm, gate/up, the gated
 activation, down. A mixed step (prompt chunks after the decodes) runs here too, uncaptured, its
 chunks' attention in the paged prefill kernel and logits for its sampled rows only: a third of
-the module forward's launches, which set such a step's time on the host. At batch 1 each projection is a Triton GEMV with the norm fused into its
-prologue and the bias / gated activation into its epilogue (6 or 7 launches a layer), unless a
+the module forward's launches, which set such a step's time on the host. At batch 1 each
+projection is a Triton GEMV with the norm fused into its prologue and the bias / gated
+activation into its epilogue (6 or 7 launches a layer), unless a
 cuBLAS-projection graph replays faster at capture time (small models: the ``cublas`` variant); at
 larger batches the projections are cuBLAS GEMMs. Those two forms of a sub-layer are
 :mod:`tianxia.models.gpu_step`'s, shared with GPT-2's and Falcon's steps.
@@ -30,7 +31,7 @@ from torch import nn
 from tianxia.layers.activation import ActAndMul, SiluAndMul
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.norm import GemmaRMSNorm, RMSNorm
-from tianxia.models.gpu_step import GpuStep, StepNorm, attention_splits, linear, lm_logits, norm_linear
+from tianxia.models.gpu_step import GpuStep, StepNorm, linear, lm_logits, norm_linear
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -97,12 +98,12 @@ class LlamaGpuStep(GpuStep):
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) of every row, or of ``rows``: one decode token per row, or a step with
         prompt chunks after its decodes."""
-        from tianxia.layers.attention.triton_attention import paged_attention
+        from tianxia.layers.attention.triton_attention import decode_splits, paged_attention
         from tianxia.layers.attention.triton_rope import rope_write_kv
 
         B = input_ids.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        splits = attention_splits(hk, meta)
+        splits = decode_splits(meta, hk)
         g = self.gemv_path(B)
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
@@ -127,9 +128,7 @@ class LlamaGpuStep(GpuStep):
             x = linear(L["down"], act, g)
             if L["sandwich"]:
                 x, _ = norms["post_ff"](x, None)
-        if rows is not None:
-            x, res = x[rows], res[rows]
-        logits = lm_logits(x, res, self.final_norm, self.lm_head, g)
+        logits = lm_logits(x, res, self.final_norm, self.lm_head, g, rows)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
