@@ -116,3 +116,37 @@ def test_stop_string_is_held_back_while_streaming(smollm2_llm):
             streamed += c.text[len(streamed): c.stable_len]
     (want,) = smollm2_llm.generate(PROMPT, params)
     assert streamed == want.outputs[0].text
+
+
+MULTIBYTE = "Grüße aus 東京 🤖🚀, naïve café — “quoted” text.\n\n日本語のテキスト ok"
+
+
+@pytest.mark.parametrize("cut", [0, 2, 6, 8, 28])
+def test_streamed_text_is_the_tokenizers_decode(smollm2_llm, cut):
+    """Token by token, through ``tokenizers``' DecodeStream and through the Python window alike,
+    the streamed text is the tokenizer's decode of prompt and output at once minus the prompt's:
+    multi-byte characters split over byte-fallback tokens come out whole, never broken. A prompt
+    whose last token ends inside a character (SmolLM2's ids of this text, cut at 8) is left to the
+    Python window, and both give the same text."""
+    from tianxia.engine.detokenizer import IncrementalDetokenizer, rust_tokenizer
+
+    tok = smollm2_llm.get_tokenizer()
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    prompt, generated = ids[:cut], ids[cut:]
+    backend = rust_tokenizer(tok)
+    assert backend is not None
+    texts = []
+    for b in (backend, None):
+        detok = IncrementalDetokenizer(tok, prompt, [], False, True, backend=b)
+        for token in generated:
+            detok.append(token)
+            assert "\ufffd" not in detok.text
+        detok.flush()
+        texts.append(detok.text)
+    assert texts[0] == texts[1]
+    head = tok.decode(prompt)
+    clean = not head.endswith("\ufffd")
+    assert (IncrementalDetokenizer(tok, prompt, [], False, True, backend=backend).stream
+            is not None) == clean
+    if clean:
+        assert head + texts[0] == tok.decode(ids)

@@ -162,6 +162,11 @@ class StatsListener:
 
     def on_inter_token(self, latency_s: float, num_tokens: int) -> None: ...
 
+    def on_inter_tokens(self, samples: list[tuple[float, int]]) -> None:
+        """Many ``(latency_s, num_tokens)`` at once (one engine step's worth)."""
+        for latency_s, num_tokens in samples:
+            self.on_inter_token(latency_s, num_tokens)
+
     def on_request_done(self, stats: RequestStats) -> None: ...
 
 

@@ -472,8 +472,8 @@ class EngineCoreClient(EngineClient):
             listener.on_step(step)
         for ttft in m.first_tokens:
             listener.on_first_token(ttft)
-        for latency, n in m.inter_tokens:
-            listener.on_inter_token(latency, n)
+        if m.inter_tokens:
+            listener.on_inter_tokens(m.inter_tokens)
         for done in m.done:
             listener.on_request_done(done)
 

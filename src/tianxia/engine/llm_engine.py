@@ -14,7 +14,7 @@ from tianxia.config import FP8_KV_NAMES, EngineConfig
 from tianxia.engine import faults
 from tianxia.engine.block_manager import BlockManager
 from tianxia.engine.cuda_graph import mixed_step_rows
-from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
+from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode, rust_tokenizer
 from tianxia.engine.model_runner import ModelRunner, kv_bytes_per_token
 from tianxia.engine.overlap import LaunchedStep, next_step
 from tianxia.engine.step_io import RequestFailure, TokenLogprobs
@@ -284,6 +284,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self._decode = fast_decode(self.tokenizer)
+        self._rust_tokenizer = rust_tokenizer(self.tokenizer)
         self.chat_template = config.chat_template or loaded.chat_template
         self.model_path = loaded.path
         eos = list(loaded.config.eos_token_ids)
@@ -499,6 +500,7 @@ class LLMEngine:
         return IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, p.stop_strings, p.include_stop_str_in_output,
             p.skip_special_tokens, enabled=p.detokenize, decode=self._decode,
+            backend=self._rust_tokenizer,
         )
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:

@@ -25,7 +25,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from tianxia.engine import faults
-from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode
+from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode, rust_tokenizer
 from tianxia.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from tianxia.sampling_params import SamplingParams
 
@@ -148,6 +148,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer)
+        self._backend = rust_tokenizer(tokenizer)
         self._requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
@@ -197,7 +198,8 @@ class OutputProcessor:
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop_strings,
                                        p.include_stop_str_in_output, p.skip_special_tokens,
-                                       enabled=p.detokenize, decode=self._decode)
+                                       enabled=p.detokenize, decode=self._decode,
+                                       backend=self._backend)
         return _Choice(detok, logprobs=[] if p.logprobs is not None else None)
 
     @staticmethod

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,8 +23,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from tianxia.engine.async_engine import RequestStats, StatsListener, StepStats
 
@@ -267,6 +270,57 @@ class _CoreCollector(Collector):
             yield family
 
 
+class _Bins:
+    """One model's inter-token latency counts, bucket by bucket (``le`` of each bound, then +Inf)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def observe_many(self, samples: list[tuple[float, int]]) -> None:
+        bounds, counts, total = self.bounds, self.counts, 0.0
+        for value, _ in samples:
+            counts[bisect_left(bounds, value)] += 1
+            total += value
+        self.sum += total
+
+
+class _InterTokenLatency(Collector):
+    """vLLM's inter-token latency histogram, written out under both of its names (the older one
+    is ``time_per_output_token``). It takes one sample per streamed token, the most of any
+    series, so a step's samples are binned together into plain counts (a prometheus_client
+    ``Histogram`` takes a lock per bucket and sum, and two of them did so twice per token)."""
+
+    _NAMES = (
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+        ("vllm:time_per_output_token_seconds",
+         "Histogram of time per output token in seconds (older name of inter-token latency)."),
+    )
+
+    def __init__(self, buckets: list[float]) -> None:
+        self.bounds = [float(b) for b in buckets]
+        self.models: dict[str, _Bins] = {}
+
+    def bins(self, model_name: str) -> _Bins:
+        return self.models.setdefault(model_name, _Bins(self.bounds))
+
+    def collect(self):
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        rows = [(model, list(accumulate(b.counts)), b.sum) for model, b in self.models.items()]
+        for name, doc in self._NAMES:
+            family = HistogramMetricFamily(name, doc, labels=["model_name"])
+            for model, cumulative, total in rows:
+                family.add_metric([model], list(zip(les, cumulative)), sum_value=total)
+            yield family
+
+
 class ModelMetrics(StatsListener):
     """One model's histograms and counters (the server's series, labelled with its name); the
     stats listener of its engine."""
@@ -275,6 +329,7 @@ class ModelMetrics(StatsListener):
         self.model_name = model_name
         for attr, family in server.families.items():
             setattr(self, attr, family.labels(model_name))
+        self.itl = server.inter_token.bins(model_name)
         self.success = server.success
 
     # --- StatsListener (engine thread) -------------------------------------------------------
@@ -288,7 +343,9 @@ class ModelMetrics(StatsListener):
 
     def on_inter_token(self, latency_s: float, num_tokens: int) -> None:
         self.itl.observe(latency_s)
-        self.tpot.observe(latency_s)
+
+    def on_inter_tokens(self, samples: list[tuple[float, int]]) -> None:
+        self.itl.observe_many(samples)
 
     def on_request_done(self, st: RequestStats) -> None:
         if st.finished is None:
@@ -329,6 +386,8 @@ class ServerMetrics(ModelMetrics):
         reg = self.registry
         self.engines: dict[str, _EngineSource] = {}
         self.registry.register(_EngineCollector(self.engines))
+        self.inter_token = _InterTokenLatency(_ITL_BUCKETS)
+        self.registry.register(self.inter_token)
 
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg)
@@ -337,14 +396,6 @@ class ServerMetrics(ModelMetrics):
         self.families: dict[str, Histogram] = {
             "ttft": hist("vllm:time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", _TTFT_BUCKETS),
-            "itl": hist("vllm:inter_token_latency_seconds",
-                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS),
-            "tpot": hist(
-                "vllm:time_per_output_token_seconds",
-                "Histogram of time per output token in seconds (older name of inter-token "
-                "latency).",
-                _ITL_BUCKETS,
-            ),
             "e2e": hist("vllm:e2e_request_latency_seconds",
                         "Histogram of end to end request latency in seconds.", _LATENCY_BUCKETS),
             "queue_time": hist("vllm:request_queue_time_seconds",
