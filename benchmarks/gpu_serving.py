@@ -155,7 +155,8 @@ def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
     vocab = llm.get_tokenizer().vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(128)]}
                for _ in range(args.prompts_per_point)]
-    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature,
+                            top_p=args.top_p)
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
     engine, steps = llm.engine, 0
     step = engine.step
@@ -202,6 +203,9 @@ def main() -> int:
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="a Qwen2.5 tokenizer saved with save_pretrained (the random workload needs "
                          "whole-word tokens)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request, served and offline (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="record each server process's stacks with py-spy at every rate, into DIR")
     args = ap.parse_args()
@@ -226,7 +230,8 @@ def main() -> int:
         bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
                  f"http://127.0.0.1:{args.port}", "--model", shape, "--tokenizer", str(d),
                  "--input-len", "128", "--output-len", "64",
-                 "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress"]
+                 "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress",
+                 "--temperature", str(args.temperature), "--extra-body", json.dumps({"top_p": args.top_p})]
         t0 = time.monotonic()
         with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0) as base:
             startup = time.monotonic() - t0
