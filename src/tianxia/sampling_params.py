@@ -6,6 +6,8 @@ turn it into a 400 with ``param`` set.
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +177,13 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    def without_text(self) -> SamplingParams:
+        """These parameters with no stop strings and ``detokenize`` off: what decides tokens is
+        unchanged, so they are not checked again (a served request's copy, made per request)."""
+        out = copy.copy(self)
+        out.stop, out._stop, out.detokenize = None, [], False
+        return out
 
     @property
     def needs_penalties(self) -> bool:

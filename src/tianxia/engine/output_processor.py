@@ -16,7 +16,6 @@ engine core processes.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -62,7 +61,7 @@ def engine_params(params: SamplingParams) -> SamplingParams:
     API side's); everything that decides tokens is unchanged."""
     if not params.detokenize and not params.stop_strings:
         return params
-    return dataclasses.replace(params, stop=None, detokenize=False)
+    return params.without_text()
 
 
 @dataclass

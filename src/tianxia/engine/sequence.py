@@ -36,6 +36,7 @@ class Sequence:
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
         "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
         "spec_acceptance", "spec_backoff", "spec_strikes", "ngram_index", "lora_name", "lora_slot",
+        "_prompt_ids",
     )
 
     def __init__(
@@ -52,6 +53,8 @@ class Sequence:
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # the prompt never changes: one list, not a slice of token_ids for every output
+        self._prompt_ids = list(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -139,7 +142,7 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_ids
 
     @property
     def is_finished(self) -> bool:

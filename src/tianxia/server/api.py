@@ -31,6 +31,7 @@ from tianxia.server.protocol import (
 from tianxia.server.serving_base import ServerState
 from tianxia.server.serving_chat import OpenAIServingChat
 from tianxia.server.serving_completions import OpenAIServingCompletion
+from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.serving_embeddings import OpenAIServingEmbedding, PoolerConfig
 from tianxia.server.serving_models import ServingModels
 from tianxia.server.serving_native import ConcatenateRequest, GenerateRequest, SGLangServing
@@ -262,9 +263,12 @@ def build_servings(
     state = state or ServerState(metrics=metrics, retry_after_s=retry_after_s)
     models = ServingModels(engine.info, served_model_names)
 
+    encoder = BatchedEncoder(engine.info.tokenizer)
+
     def make(cls):
         return cls(
-            engine, models, state, chat_template=chat_template, tool_call_parser=tool_call_parser
+            engine, models, state, chat_template=chat_template, tool_call_parser=tool_call_parser,
+            encoder=encoder,
         )
 
     embedding = make(OpenAIServingEmbedding)
@@ -469,7 +473,7 @@ def _tokenize_routes(registry: ModelRegistry) -> APIRouter:
     async def tokenize(raw: Request) -> JSONResponse:
         data, name = await named(raw)
         async with registry.use(name) as s:
-            return JSONResponse(s.tokenization.tokenize(data))
+            return JSONResponse(await s.tokenization.tokenize(data))
 
     @router.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> JSONResponse:

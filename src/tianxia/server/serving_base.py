@@ -42,6 +42,7 @@ from tianxia.sampling_params import SamplingParams
 from tianxia.server.errors import APIError, bad_request, from_value_error
 from tianxia.server.protocol import ChatMessage
 from tianxia.server.serving_models import ServingModels
+from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.tool_parsers import (
     PARSER_NAMES,
     ToolChoice,
@@ -330,12 +331,15 @@ class OpenAIServing:
         *,
         chat_template: str | None = None,
         tool_call_parser: str | None = "auto",
+        encoder: BatchedEncoder | None = None,
     ) -> None:
         self.engine = engine
         self.llm = engine.info
         self.models = models
         self.state = state
         self.tokenizer = self.llm.tokenizer
+        # shared by a model's endpoint families, so that their requests' texts batch together
+        self.encoder = encoder or BatchedEncoder(self.tokenizer)
         self.max_model_len = self.llm.max_model_len
         self.vocab_size = self.llm.model_config.vocab_size
         self.chat_template = chat_template or self.llm.chat_template
@@ -377,11 +381,12 @@ class OpenAIServing:
                 self._token_strs[token_id] = s
         return s
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of client text; text that is not valid Unicode (a lone surrogate escaped in
-        the JSON, which the tokenizer cannot take) is a 400."""
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of client text (encoded off the event loop, batched with other requests');
+        text that is not valid Unicode (a lone surrogate escaped in the JSON, which the tokenizer
+        cannot take) is a 400."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return await self.encoder.encode(text, add_special_tokens)
         except (TypeError, UnicodeError):
             raise bad_request(f"{param} is not valid Unicode text", param=param) from None
 
@@ -539,7 +544,7 @@ class OpenAIServing:
             raise bad_request(str(e), param=e.param) from None
         return out
 
-    def render_chat(
+    async def render_chat(
         self,
         messages: list[ChatMessage],
         *,
@@ -578,7 +583,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception() in templates, bad roles
             raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-        return text, self.encode(text, add_special_tokens, "messages")
+        return text, await self.encode(text, add_special_tokens, "messages")
 
     def tool_choice(
         self, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None

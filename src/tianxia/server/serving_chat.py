@@ -34,7 +34,7 @@ from tianxia.structured import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    def prepare(self, req: ChatCompletionRequest) -> Prepared:
+    async def prepare(self, req: ChatCompletionRequest) -> Prepared:
         tools = self.tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -47,7 +47,7 @@ class OpenAIServingChat(OpenAIServing):
                     param="top_logprobs",
                 )
         common = self.common_fields(req)
-        text, ids = self.render_chat(
+        text, ids = await self.render_chat(
             req.messages,
             add_generation_prompt=bool(req.add_generation_prompt),
             continue_final_message=bool(req.continue_final_message),
@@ -160,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        prep = self.prepare(req)
+        prep = await self.prepare(req)
         prep.lora_request = self.models.lora_request(model)
         rid = random_id("chatcmpl")
         created = int(time.time())

@@ -30,14 +30,14 @@ from tianxia.server.serving_base import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         raw = self.prompt_items(req.prompt)
         if not raw:
             raise bad_request("prompt must not be empty", param="prompt")
         out = []
         for item in raw:
             if isinstance(item, str):
-                ids = self.encode(item, bool(req.add_special_tokens), "prompt")
+                ids = await self.encode(item, bool(req.add_special_tokens), "prompt")
                 text: str | None = item
             else:
                 ids = list(item)
@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
             out.append((text, ids))
         return out
 
-    def prepare(self, req: CompletionRequest) -> Prepared:
+    async def prepare(self, req: CompletionRequest) -> Prepared:
         if req.suffix:
             raise bad_request(
                 "suffix is not supported", param="suffix", code="unsupported_parameter"
@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="logprobs",
             )
         common = self.common_fields(req)
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         echo = bool(req.echo)
         params = []
         for _, ids in prompts:
@@ -136,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        prep = self.prepare(req)
+        prep = await self.prepare(req)
         prep.lora_request = self.models.lora_request(model)
         rid = random_id("cmpl")
         created = int(time.time())

@@ -49,14 +49,14 @@ class PoolerConfig:
 class OpenAIServingEmbedding(OpenAIServing):
     pooler = PoolerConfig()
 
-    def _inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+    async def _inputs(self, req: EmbeddingRequest) -> list[list[int]]:
         items = self.prompt_items(req.input)
         if not items:
             raise bad_request("input must not be empty", param="input")
         out = []
         for item in items:
             if isinstance(item, str):
-                ids = self.encode(item, bool(req.add_special_tokens), "input")
+                ids = await self.encode(item, bool(req.add_special_tokens), "input")
             else:
                 ids = list(item)
                 self.check_ids(ids, "input")
@@ -82,7 +82,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 param="dimensions",
                 code="unsupported_parameter",
             )
-        inputs = self._inputs(req)
+        inputs = await self._inputs(req)
         self.check_accepting()
         normalize = self.pooler.normalize if req.normalize is None else req.normalize
         pooling = self.pooler.pooling_type

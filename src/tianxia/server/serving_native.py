@@ -75,14 +75,14 @@ _SAMPLING = {
 
 
 class SGLangServing(OpenAIServing):
-    def _prompts(self, req: GenerateRequest) -> tuple[list[tuple[str | None, list[int]]], bool]:
+    async def _prompts(self, req: GenerateRequest) -> tuple[list[tuple[str | None, list[int]]], bool]:
         """(text, ids) per prompt, and whether the request is a batch."""
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("give exactly one of text and input_ids", param="text")
         if req.text is not None:
             batch = isinstance(req.text, list)
             texts = req.text if batch else [req.text]
-            prompts = [(t, self.encode(t, True, "text")) for t in texts]
+            prompts = [(t, await self.encode(t, True, "text")) for t in texts]
         else:
             ids = req.input_ids
             batch = bool(ids) and isinstance(ids[0], list)
@@ -95,9 +95,9 @@ class SGLangServing(OpenAIServing):
             self.check_prompt_len(len(ids), "text" if req.text is not None else "input_ids")
         return prompts, batch
 
-    def prepare(self, req: GenerateRequest) -> tuple[Prepared, bool, bool]:
+    async def prepare(self, req: GenerateRequest) -> tuple[Prepared, bool, bool]:
         """The engine requests, whether it is a batch, and whether it only fills the prompt."""
-        prompts, batch = self._prompts(req)
+        prompts, batch = await self._prompts(req)
         sp = req.sampling_params
         for key, value in sp.items():
             # the fields of the dict are not typed by the request model: bound them here
@@ -212,7 +212,7 @@ class SGLangServing(OpenAIServing):
     # --- the routes ---------------------------------------------------------------------------
 
     async def generate_native(self, req: GenerateRequest, raw: Request) -> Response:
-        prep, batch, prefill_only = self.prepare(req)
+        prep, batch, prefill_only = await self.prepare(req)
         if req.stream and (batch or prep.n != 1):
             raise bad_request("stream takes one prompt and n = 1", param="stream")
         rid = req.rid or random_id("gen")

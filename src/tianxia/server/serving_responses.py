@@ -154,7 +154,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         while len(self.stored) > MAX_STORED_RESPONSES:
             self.stored.popitem(last=False)
 
-    def _prepare(self, req: ResponsesRequest) -> tuple[Prepared, list[dict[str, Any]]]:
+    async def _prepare(self, req: ResponsesRequest) -> tuple[Prepared, list[dict[str, Any]]]:
         conversation = self._history(req.previous_response_id) + input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         chat = {
@@ -168,7 +168,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         try:
             creq = ChatCompletionRequest.model_validate({k: v for k, v in chat.items()
                                                          if v is not None})
-            return self.prepare(creq), conversation
+            return await self.prepare(creq), conversation
         except ValidationError as e:
             err = validation_error(list(e.errors()))
         except APIError as e:
@@ -241,7 +241,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def create_response(self, req: ResponsesRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        prep, conversation = self._prepare(req)
+        prep, conversation = await self._prepare(req)
         rid = _id("resp")
         created = int(time.time())
         if req.stream:

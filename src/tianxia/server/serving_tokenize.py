@@ -9,12 +9,12 @@ from tianxia.server.serving_base import OpenAIServing
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, data: dict[str, Any]) -> dict[str, Any]:
         """``{"prompt": ...}`` or ``{"messages": [...]}`` (rendered as a chat would be)."""
         if "messages" in data:
             req = TokenizeChatRequest.model_validate(data)
             self.check_model(req.model)
-            _, ids = self.render_chat(
+            _, ids = await self.render_chat(
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
         else:
             req = TokenizeCompletionRequest.model_validate(data)
             self.check_model(req.model)
-            ids = self.encode(req.prompt, req.add_special_tokens, "prompt")
+            ids = await self.encode(req.prompt, req.add_special_tokens, "prompt")
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {
             "count": len(ids),

@@ -1,0 +1,43 @@
+"""Prompts encoded off the event loop in batches (``server/tokenization.py``): a burst of
+concurrent requests gets, text by text, what the tokenizer's own ``encode`` gives, and a text the
+tokenizer cannot take fails its own request only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tianxia.server.tokenization import MAX_BATCH, BatchedEncoder
+
+
+def test_a_burst_is_encoded_as_the_tokenizer_encodes_each_text(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    texts = [f"Request {i}: the capital of France is Paris, 東京 🤖 {'x' * (i % 7)}"
+             for i in range(2 * MAX_BATCH + 5)]
+    encoder = BatchedEncoder(tok)
+
+    async def burst():
+        return await asyncio.gather(*(encoder.encode(t, i % 2 == 0) for i, t in enumerate(texts)))
+
+    got = asyncio.run(burst())
+    assert got == [tok.encode(t, add_special_tokens=i % 2 == 0) for i, t in enumerate(texts)]
+    encoder.close()
+
+
+def test_a_text_the_tokenizer_cannot_take_fails_alone(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    encoder = BatchedEncoder(tok)
+    bad = "a lone surrogate \ud800 here"
+    with pytest.raises((TypeError, UnicodeError)):
+        tok.encode(bad)
+
+    async def burst():
+        return await asyncio.gather(encoder.encode("good one", False), encoder.encode(bad, False),
+                                    encoder.encode("good two", False), return_exceptions=True)
+
+    first, failed, last = asyncio.run(burst())
+    assert first == tok.encode("good one", add_special_tokens=False)
+    assert last == tok.encode("good two", add_special_tokens=False)
+    assert isinstance(failed, (TypeError, UnicodeError))
+    encoder.close()
