@@ -30,6 +30,7 @@ from tianxia.server.protocol import (
 )
 from tianxia.server.serving_base import ServerState
 from tianxia.server.serving_chat import OpenAIServingChat
+from tianxia.server.event_stream import DIRECT_SEND
 from tianxia.server.serving_completions import OpenAIServingCompletion
 from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.serving_embeddings import OpenAIServingEmbedding, PoolerConfig
@@ -484,6 +485,16 @@ def _tokenize_routes(registry: ModelRegistry) -> APIRouter:
     return router
 
 
+class _App(FastAPI):
+    """Records the HTTP server's own ``send`` for :class:`EventStreamResponse` (its chunks skip
+    the middlewares, which act on a response's start only)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope[DIRECT_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(
     registry: ModelRegistry,
     *,
@@ -506,7 +517,7 @@ def build_app(
         finally:
             await registry.shutdown()
 
-    app = FastAPI(
+    app = _App(
         title="tianxia", version=__version__, lifespan=lifespan, root_path=root_path or ""
     )
     app.state.registry = registry

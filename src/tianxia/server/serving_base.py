@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
 from tianxia.engine.async_engine import (
@@ -41,6 +41,7 @@ from tianxia.outputs import CompletionOutput, RequestOutput
 from tianxia.sampling_params import SamplingParams
 from tianxia.server.errors import APIError, bad_request, from_value_error
 from tianxia.server.protocol import ChatMessage
+from tianxia.server.event_stream import EventStreamResponse
 from tianxia.server.serving_models import ServingModels
 from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.tool_parsers import (
@@ -652,9 +653,8 @@ class OpenAIServing:
         queues = await self.add_all(rid, prep)
         if stream is not None:
             outputs = OutputBatches(self.engine, queues)
-            return StreamingResponse(
+            return EventStreamResponse(
                 stream(outputs),
-                media_type="text/event-stream",
                 # a response that never started streaming still ends its engine requests
                 background=BackgroundTask(outputs.aclose),
             )
