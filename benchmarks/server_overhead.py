@@ -8,6 +8,9 @@ script runs, each in its own process:
 - served: ``tianxia serve`` on the same model, the same N requests sent at once to
   ``/v1/completions`` (prompts as token ids), without and with streaming;
 
+then a burst of N requests with text prompts of 128 words asking one token each (the API
+process's cost of admitting a request: parsing, encoding the prompt, handing it over);
+
 and reports tokens/s of each, with the server's step-size histogram from ``/metrics`` (many tiny
 steps mean that requests reached the engine one by one), and, for the streamed run, the CPU time
 the API process and the engine core spent per output token and the SSE chunks per token (a
@@ -74,6 +77,20 @@ async def load(port: int, n: int, stream: bool) -> dict:
     return {"tokens": 64 * n, "chunks_or_tokens": sum(counts), "seconds": dt}
 
 
+async def admit(port: int, n: int) -> float:
+    """Seconds for ``n`` requests with text prompts of 128 random words, all sent at once, each
+    asking one token: what the API process spends admitting a burst (parse, encode, hand over)."""
+    r = random.Random(1)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india"]
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as c:
+        t = time.perf_counter()
+        await asyncio.gather(*[c.post(url, json={
+            "model": "m", "prompt": " ".join(r.choice(words) for _ in range(128)), "max_tokens": 1,
+            "temperature": 0}) for _ in range(n)])
+        return time.perf_counter() - t
+
+
 def step_histogram(port: int) -> dict[str, float]:
     """Cumulative counts of steps by tokens scheduled (``vllm:iteration_tokens_total``)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -135,6 +152,10 @@ def main() -> int:
         # the round with the median API-process CPU per token
         rounds.sort(key=lambda r: r["cpu_us_per_token"].get("api_process", 0.0))
         res["served_stream"] = dict(rounds[len(rounds) // 2], rounds=rounds)
+        before_cpu = process_cpu_seconds()
+        seconds = asyncio.run(admit(port, args.requests))
+        per = cpu_per_token(before_cpu, process_cpu_seconds(), args.requests)
+        res["admit"] = {"seconds": seconds, "cpu_us_per_request": per}
     for k in ("offline", "served", "served_stream"):
         v = res[k]
         print(f"{k:>14}: {v['tokens'] / v['seconds']:8.0f} output tokens/s ({v['seconds']:.2f} s)")
@@ -142,6 +163,9 @@ def main() -> int:
     print(f"streaming (median of {len(v['rounds'])} rounds): {v['chunks_or_tokens'] / v['tokens']:.2f} chunks per token; "
           "CPU per output token: "
           + ", ".join(f"{k} {us:.1f} us" for k, us in v["cpu_us_per_token"].items()))
+    v = res["admit"]
+    print(f"a burst of {args.requests} text prompts (one token each): {v['seconds']:.2f} s; CPU per "
+          "request: " + ", ".join(f"{k} {us:.0f} us" for k, us in v["cpu_us_per_request"].items()))
     hist = res["served_steps_by_tokens"]
     total = hist.get("+Inf", 0.0)
     print(f"served (no streaming): {total:.0f} steps, {hist.get('8.0', 0.0):.0f} of them with 8 tokens or fewer")
