@@ -41,3 +41,27 @@ def test_a_text_the_tokenizer_cannot_take_fails_alone(smollm2_llm):
     assert last == tok.encode("good two", add_special_tokens=False)
     assert isinstance(failed, (TypeError, UnicodeError))
     encoder.close()
+
+
+
+def test_closing_cancels_the_waiting_requests(smollm2_llm):
+    """A batch that never ran (the encoder closed while it waited for the worker thread) cancels
+    its requests instead of leaving them waiting forever."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    encoder = BatchedEncoder(smollm2_llm.get_tokenizer())
+    encoder._executor = ThreadPoolExecutor(1)
+    release = threading.Event()
+    encoder._executor.submit(release.wait)  # the worker is busy: the batch queues behind it
+
+    async def closed_under_a_burst():
+        waiting = [asyncio.ensure_future(encoder.encode(f"text {i}", False)) for i in range(3)]
+        for _ in range(3):  # the encodes run, then the batch is handed to the executor
+            await asyncio.sleep(0)
+        encoder.close()
+        release.set()
+        return await asyncio.gather(*waiting, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(closed_under_a_burst(), 30))
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)

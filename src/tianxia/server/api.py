@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from tianxia import __version__
 from tianxia.engine.async_engine import EngineClient
 from tianxia.server.errors import APIError, bad_request, install_handlers
+from tianxia.server.event_stream import DIRECT_SEND
 from tianxia.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tianxia.server.model_registry import ModelRegistry
 from tianxia.server.protocol import (
@@ -30,14 +31,13 @@ from tianxia.server.protocol import (
 )
 from tianxia.server.serving_base import ServerState
 from tianxia.server.serving_chat import OpenAIServingChat
-from tianxia.server.event_stream import DIRECT_SEND
 from tianxia.server.serving_completions import OpenAIServingCompletion
-from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.serving_embeddings import OpenAIServingEmbedding, PoolerConfig
 from tianxia.server.serving_models import ServingModels
 from tianxia.server.serving_native import ConcatenateRequest, GenerateRequest, SGLangServing
 from tianxia.server.serving_responses import OpenAIServingResponses
 from tianxia.server.serving_tokenize import OpenAIServingTokenization
+from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.webui import build_router as build_webui_router
 
 _ENDPOINTS = {

@@ -280,10 +280,6 @@ class _Bins:
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
     def observe_many(self, samples: list[tuple[float, int]]) -> None:
         bounds, counts, total = self.bounds, self.counts, 0.0
         for value, _ in samples:
@@ -342,7 +338,7 @@ class ModelMetrics(StatsListener):
         self.ttft.observe(ttft_s)
 
     def on_inter_token(self, latency_s: float, num_tokens: int) -> None:
-        self.itl.observe(latency_s)
+        self.itl.observe_many([(latency_s, num_tokens)])
 
     def on_inter_tokens(self, samples: list[tuple[float, int]]) -> None:
         self.itl.observe_many(samples)

@@ -40,8 +40,8 @@ from tianxia.engine.lora_manager import LoRARequest
 from tianxia.outputs import CompletionOutput, RequestOutput
 from tianxia.sampling_params import SamplingParams
 from tianxia.server.errors import APIError, bad_request, from_value_error
-from tianxia.server.protocol import ChatMessage
 from tianxia.server.event_stream import EventStreamResponse
+from tianxia.server.protocol import ChatMessage
 from tianxia.server.serving_models import ServingModels
 from tianxia.server.tokenization import BatchedEncoder
 from tianxia.server.tool_parsers import (

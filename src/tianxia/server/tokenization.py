@@ -54,12 +54,17 @@ class BatchedEncoder:
         work.add_done_callback(partial(self._deliver, loop, batch))
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, batch, work: asyncio.Future) -> None:
-        error = work.exception()
-        results = [error] * len(batch) if error is not None else work.result()
+        if work.cancelled():  # the executor was shut down (close) before the batch ran
+            results: list = [None] * len(batch)
+        else:
+            error = work.exception()
+            results = [error] * len(batch) if error is not None else work.result()
         for (_, _, fut), result in zip(batch, results):
             if fut.done():
                 continue
-            if isinstance(result, BaseException):
+            if result is None:
+                fut.cancel()
+            elif isinstance(result, BaseException):
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
