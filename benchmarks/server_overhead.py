@@ -126,6 +126,9 @@ def main() -> int:
     ap.add_argument("--stream-rounds", type=int, default=3,
                     help="streamed runs; the one with the median API-process CPU per token is reported")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--http-stack", choices=["c", "python"], default="c",
+                    help="python: serve as an install without uvloop and httptools would (uvicorn "
+                         "then takes asyncio's event loop and h11)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tx-overhead-"))
     model = str(make_model_dir(root, "tiny"))
@@ -138,6 +141,13 @@ def main() -> int:
     cmd = [sys.executable, "-m", "tianxia.cli", "serve", model, "--device", args.device, "--port", str(port),
            "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--served-model-name", "m",
            "--disable-log-stats", "--disable-access-log"]
+    if args.http_stack == "python":
+        hide = root / "hide"
+        hide.mkdir()
+        for name in ("uvloop", "httptools"):
+            (hide / f"{name}.py").write_text("raise ImportError('not installed')\n")
+        cmd = ["env", f"PYTHONPATH={hide}{os.pathsep}{env['PYTHONPATH']}", *cmd]
+    res["http_stack"] = args.http_stack
     with server(cmd, port, root / "server.log"):
         asyncio.run(load(port, 8, stream=False))  # warm-up, before the step counts are taken
         before = step_histogram(port)

@@ -353,6 +353,8 @@ def check_packages() -> list[Check]:
     out = [_pkg_check(m, d, p, f"pip install {d}", True) for m, d, p in req]
     opt = [("fastapi", "fastapi", "tianxia serve", "pip install 'fastapi>=0.110'"),
            ("uvicorn", "uvicorn", "tianxia serve", "pip install 'uvicorn>=0.29'"),
+           ("uvloop", "uvloop", "serve: the event loop in C", "pip install 'uvloop>=0.19'"),
+           ("httptools", "httptools", "serve: the HTTP parser in C", "pip install 'httptools>=0.6'"),
            ("httpx", "httpx", "tianxia bench", "pip install 'httpx>=0.27'"),
            ("matplotlib", "matplotlib", "bench --plot", "pip install 'matplotlib>=3.8'"),
            ("huggingface_hub", "huggingface_hub", "Hub ids org/name", "pip install huggingface_hub")]
