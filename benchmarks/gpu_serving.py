@@ -19,10 +19,11 @@ import json
 import os
 import shutil
 import signal
-import threading
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -138,11 +139,12 @@ def served_steps(base: str) -> float:
     return sum(value for name, _, value in parse_metrics(text) if name == "vllm:iteration_tokens_total_count")
 
 
-def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
+def offline_throughput(model_dir: Path, args) -> list[tuple[float, int]]:
     """Output tokens/s of ``args.prompts_per_point`` requests of 128 random prompt tokens and 64
     output tokens (``ignore_eos``) through ``LLM.generate`` with the server's engine settings, all
-    submitted at once: the ceiling the served figure at rate ``inf`` is compared with. Returns
-    output tokens/s and the engine steps it took."""
+    submitted at once: the ceiling the served figure at rate ``inf`` is compared with. Runs
+    ``args.repeats`` times in one engine, each time with prompts of its own (none hits the prefix
+    cache an earlier run filled). Returns output tokens/s and the engine steps of each run."""
     import random
 
     import torch
@@ -151,16 +153,15 @@ def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
 
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_model_len=2048,
               gpu_memory_utilization=0.85)
-    rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(128)]}
-               for _ in range(args.prompts_per_point)]
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature,
                             top_p=args.top_p)
-    llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
+    warm = random.Random(-1)
+    llm.generate([{"prompt_token_ids": [warm.randrange(1000, vocab - 1000) for _ in range(128)]}
+                  for _ in range(16)], params, use_tqdm=False)
     engine, steps = llm.engine, 0
     step = engine.step
-    timeline = []  # (start s, took ms, seqs, tokens) per step: to set beside a served one
+    timeline: list = []  # (start s, took ms, seqs, tokens) per step: to set beside a served one
 
     def counted_step(eng=engine):
         nonlocal steps
@@ -174,14 +175,23 @@ def offline_throughput(model_dir: Path, args) -> tuple[float, int]:
         return out
 
     engine.step = counted_step
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    (Path(args.out) / "offline_steps.json").write_text(json.dumps(timeline))
+    runs, timelines = [], []
+    for rep in range(args.repeats):
+        rng = random.Random(rep)
+        prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(128)]}
+                   for _ in range(args.prompts_per_point)]
+        steps, timeline = 0, []
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append((n / dt, steps))
+        timelines.append(timeline)
+        print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {steps} engine steps", flush=True)
+    (Path(args.out) / "offline_steps.json").write_text(json.dumps(timelines))
     del llm, engine
     torch.cuda.empty_cache()
-    return n / dt, steps
+    return runs
 
 
 def main() -> int:
@@ -206,6 +216,10 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every request, served and offline (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the rate `inf` point and the offline run this many times each "
+                         "(prompts of their own every time) and compare the best of each: a lent "
+                         "host's speed drifts by tens of percent between runs a minute apart")
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="record each server process's stacks with py-spy at every rate, into DIR")
     args = ap.parse_args()
@@ -237,11 +251,13 @@ def main() -> int:
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
             points, cpu, rc = [], {}, 0
-            for k, rate in enumerate(args.rates.split(",")):
+            rates = [r for rate in args.rates.split(",")
+                     for r in ([rate] * args.repeats if rate == "inf" else [rate])]
+            for k, rate in enumerate(rates):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
                 steps0 = served_steps(base)
-                with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}"):
+                with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
                     # prompts of their own at each rate: none hits the prefix cache that an
                     # earlier rate filled (the offline run, its ceiling, computes every prompt)
                     r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
@@ -254,24 +270,34 @@ def main() -> int:
                     points += new
                     part.unlink()
                     if new:
-                        cpu[rate] = sampler.busiest(new[0]["summary"]["duration_s"])
+                        again = rates[:k].count(rate)
+                        key = f"{rate}#{again + 1}" if again else rate
+                        cpu[key] = sampler.busiest(new[0]["summary"]["duration_s"])
                         new[0]["engine_steps"] = steps
                         print(f"  rate {rate}: {steps:.0f} engine steps, "
                               f"{1000 * new[0]['summary']['duration_s'] / max(steps, 1):.2f} ms a step", flush=True)
-                        print(f"  rate {rate}: share of a core per process {cpu[rate]}", flush=True)
+                        print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
             res_path.write_text(json.dumps({"points": points}, indent=1))
             # kernels the server compiled while serving (each a stall of a step): should be none
             compiled = triton_cache_entries() - kernels
         summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": rc, "cpu_share": cpu,
                           "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
         if args.offline:
-            tok_s, steps = offline_throughput(d, args)
-            summary[shape]["offline_output_tok_s"] = round(tok_s, 1)
+            runs = offline_throughput(d, args)
+            best_tok_s, steps = max(runs)
+            summary[shape]["offline_output_tok_s"] = round(best_tok_s, 1)
             summary[shape]["offline_engine_steps"] = steps
+            summary[shape]["offline_runs_tok_s"] = [round(t, 1) for t, _ in runs]
             print(f"{shape}: offline {summary[shape]['offline_output_tok_s']} output tok/s", flush=True)
         if args.offline and points:
+            # best against best: each the run the host slowed least
             best = max(pt["summary"]["output_throughput"] for pt in points)
             summary[shape]["served_over_offline"] = round(best / summary[shape]["offline_output_tok_s"], 3)
+            saturated = [pt["summary"]["output_throughput"] for pt in points if pt["load"] == float("inf")]
+            if saturated:
+                summary[shape]["served_inf_runs_tok_s"] = [round(t, 1) for t in saturated]
+                summary[shape]["median_served_over_median_offline"] = round(
+                    statistics.median(saturated) / statistics.median(t for t, _ in runs), 3)
         for pt in points:
             s = pt["summary"]
             md.append(f"| {shape} | {pt['load']} | {s['request_throughput']:.1f} | {s['output_throughput']:.0f} | "
