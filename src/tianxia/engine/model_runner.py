@@ -32,7 +32,7 @@ from tianxia.engine.step_io import (NAN_LOGITS, NO_ADMISSIBLE_TOKEN, DeviceToken
 from tianxia.layers.attention import AttentionMetadata
 from tianxia.layers.attention.backend import attention_modules
 from tianxia.layers.lora import LoRAState
-from tianxia.layers.sampler import Sampler, to_device
+from tianxia.layers.sampler import Sampler, host_ints, to_device
 from tianxia.layers.sampler_graphs import DEFAULT_KINDS, SamplerGraphs
 from tianxia.loader.layer_split import layer_split_of
 from tianxia.quant.kv_blocks import kv_row_bytes
@@ -148,7 +148,7 @@ class ModelRunner:
             flat += table
             flat += [0] * (max_blocks - len(table))
         # pinned and not waited for: the previous step may still be running
-        buf = to_device(torch.tensor(flat, dtype=torch.int64), self.device)
+        buf = to_device(host_ints(flat), self.device)
         T2, S2 = T + len(t_pad), S + len(s_pad)
         ids = buf[:T]
         if step.prev_rows is not None:
