@@ -223,7 +223,7 @@ class ModelRunner:
             logits = row_logits
         elif graph_logits is not None:
             same = len(rows) == graph_logits.shape[0] and rows == list(range(len(rows)))
-            logits = graph_logits if same else graph_logits[to_device(torch.tensor(rows), self.device)]
+            logits = graph_logits if same else graph_logits[to_device(host_ints(rows), self.device)]
         else:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         nan_rows = self._nan_rows(logits, step.fault_nan_rows)
@@ -432,7 +432,7 @@ class ModelRunner:
                 or step.all_rows or step.prompt_logprobs):
             return None
         self.route_counts["fused"] += 1
-        return step_fn(ids, pos, meta, rows=to_device(torch.tensor(rows), self.device))
+        return step_fn(ids, pos, meta, rows=to_device(host_ints(rows), self.device))
 
     def _rows_to_keep(self, step: StepInput, rows: list[int], tokens: int) -> list[int] | None:
         """The hidden rows a step needs (those it samples from), where the model can drop the

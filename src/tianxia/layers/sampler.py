@@ -375,7 +375,7 @@ class Sampler:
                               device=logits.device)
             keep.index_put_((rows, cols), keep.new_zeros(()))
             # a list index would cross as a pageable host tensor, a copy that waits for the stream
-            logits[to_device(torch.tensor(with_allowed), logits.device)] += keep
+            logits[to_device(host_ints(with_allowed), logits.device)] += keep
         if any(batch.bias):
             rows, cols = _row_token_index(batch.bias, logits.device)
             vals = [v for bias in batch.bias if bias for v in bias.values()]
