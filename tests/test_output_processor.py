@@ -11,23 +11,22 @@ from __future__ import annotations
 import pytest
 
 from tianxia import SamplingParams
-from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, RequestDelta, engine_params
+from tianxia.engine.output_processor import OutputProcessor, RequestDelta, engine_params
 from tianxia.outputs import RequestOutput
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
 def run_split(engine, rid: str, prompt: str, params: SamplingParams) -> tuple[RequestOutput, list]:
-    """The request through DeltaMaker -> OutputProcessor; its final output and the deltas."""
-    processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+    """The request through the engine's deltas -> OutputProcessor; its final output and the
+    deltas."""
+    processor = OutputProcessor(engine.tokenizer)
     processor.add(rid, params)
     engine.add_request(rid, prompt, engine_params(params))
     deltas: list[RequestDelta] = []
     final = None
     while final is None:
-        for out in engine.step():
-            assert all(c.text == "" for c in out.outputs)  # the engine made no text
-            delta = maker.delta(out)
+        for delta in engine.step_deltas():
             deltas.append(delta)
             result = processor.process(delta)
             if result is None:
@@ -101,13 +100,13 @@ def test_stop_string_is_held_back_while_streaming(smollm2_llm):
     """While a choice runs, text that could still begin a stop string is not yet stable."""
     params = SamplingParams(temperature=0, max_tokens=24, stop=["Berlin is the capital"])
     engine = smollm2_llm.engine
-    processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+    processor = OutputProcessor(engine.tokenizer)
     processor.add("hold", params)
     engine.add_request("hold", PROMPT, engine_params(params))
     streamed = ""
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            result = processor.process(maker.delta(out))
+        for delta in engine.step_deltas():
+            result = processor.process(delta)
             if result is None:
                 continue
             (c,) = result.output.outputs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tianxia import LLM, BeamSearchParams, SamplingParams
-from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, engine_params
+from tianxia.engine.output_processor import OutputProcessor, engine_params
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p
 
@@ -373,14 +373,14 @@ def test_streamed_multibyte_text_is_never_broken(smollm2_llm):
         # streamed as the server and the CLI stream: text from the API-side OutputProcessor, each
         # delta the text up to the output's stable_len
         rid, params = f"mb-{i}", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        processor, maker = OutputProcessor(engine.tokenizer), DeltaMaker()
+        processor = OutputProcessor(engine.tokenizer)
         processor.add(rid, params)
         engine.add_request(rid, prompt, engine_params(params))
         deltas: list[str] = []
         printed = 0
         while engine.has_unfinished_requests():
-            for step_out in engine.step():
-                (out,) = processor.process(maker.delta(step_out))[0].outputs
+            for delta in engine.step_deltas():
+                (out,) = processor.process(delta)[0].outputs
                 deltas.append(out.text[printed:out.stable_len])
                 printed = out.stable_len
         full = "".join(deltas)

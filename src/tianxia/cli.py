@@ -141,19 +141,19 @@ def _stream(llm, prompt, params: SamplingParams, lora=None) -> tuple[RequestOutp
     only (``engine_params``), an ``OutputProcessor`` turns them into text and ends it at a stop
     string, and only the text up to the output's ``stable_len`` (none of a held-back stop string
     or unfinished character) is written."""
-    from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, engine_params
+    from tianxia.engine.output_processor import OutputProcessor, engine_params
 
     engine = llm.engine
     rid = f"cli-{time.monotonic_ns()}"
-    processor, deltas = OutputProcessor(engine.tokenizer), DeltaMaker()
+    processor = OutputProcessor(engine.tokenizer)
     processor.add(rid, params)
     engine.add_request(rid, prompt, engine_params(params), lora)
     final, t_first, printed = None, None, 0
     while final is None:
         if not engine.has_unfinished_requests():
             raise RuntimeError("the engine finished without the request's last output")
-        for out in engine.step():
-            processed = processor.process(deltas.delta(out))
+        for delta in engine.step_deltas():
+            processed = processor.process(delta)
             if processed is None:
                 continue
             output = processed.output

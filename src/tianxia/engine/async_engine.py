@@ -37,7 +37,7 @@ from tianxia.engine import faults
 from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import LLMEngine, PromptType
 from tianxia.engine.lora_manager import LoRARequest
-from tianxia.engine.output_processor import DeltaMaker, OutputProcessor, RequestDelta, engine_params
+from tianxia.engine.output_processor import OutputProcessor, RequestDelta, engine_params
 from tianxia.outputs import RequestOutput
 from tianxia.sampling_params import SamplingParams
 
@@ -434,7 +434,6 @@ class AsyncLLMEngine(EngineClient):
         self._stopping = False
         self._dead: BaseException | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine-thread side only
-        self._deltas = DeltaMaker()  # engine-thread side only
         self.num_steps = 0
         self._publish_stats()
 
@@ -564,7 +563,6 @@ class AsyncLLMEngine(EngineClient):
 
     def _finish_aborted(self, rid: str, now: float, reason: str = "abort",
                         num_tokens: int | None = None) -> None:
-        self._deltas.forget(rid)
         tracked = self._tracked.pop(rid, None)
         if tracked is not None:
             tracked.stats.finished = now
@@ -579,7 +577,6 @@ class AsyncLLMEngine(EngineClient):
             if rid in self.engine.requests:
                 self.engine.abort_request(rid)
             self._tracked.pop(rid, None)
-            self._deltas.forget(rid)
         self._publish_stats()
         self._post([(rid, err) for rid in rids])
 
@@ -652,7 +649,7 @@ class AsyncLLMEngine(EngineClient):
 
     def _step(self) -> None:
         t0 = time.monotonic()
-        outputs = self.engine.step()
+        deltas = self.engine.step_deltas()
         now = time.monotonic()
         sched = self.engine.last_applied
         self.num_steps += 1
@@ -681,24 +678,25 @@ class AsyncLLMEngine(EngineClient):
                 )
         batch: list[tuple[str, Any]] = []
         failed = self.engine.failed
-        for out in outputs:
-            error = failed.get(out.request_id)
+        for delta in deltas:
+            rid = delta.request_id
+            error = failed.get(rid) if failed else None
             if error is None:
-                item = self._deltas.delta(out)
+                item = delta
             elif error.invalid_request:
                 item = RequestUnsatisfiableError(error.message)
             else:
                 item = RequestFailedError(f"the request failed: {error.message}")
-            if error is not None:
-                self._deltas.forget(out.request_id)
-            batch.append((out.request_id, item))
-            tracked = self._tracked.get(out.request_id)
+            batch.append((rid, item))
+            tracked = self._tracked.get(rid)
             if tracked is None:
                 continue
             st = tracked.stats
             if st.scheduled is None:
                 st.scheduled = t0
-            tokens = sum(len(o.token_ids) for o in out.outputs)
+            tokens = tracked.tokens
+            for c in delta.choices:
+                tokens += len(c.new_token_ids)
             if tokens > tracked.tokens:
                 if st.first_token is None:
                     st.first_token = now
@@ -709,11 +707,11 @@ class AsyncLLMEngine(EngineClient):
                     )
                 st.last_token = now
                 tracked.tokens = tokens
-            if out.finished:
-                del self._tracked[out.request_id]
+            if delta.finished:
+                del self._tracked[rid]
                 st.finished = now
                 st.num_generation_tokens = tokens
-                reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+                reasons = [c.finish_reason for c in delta.choices if c.finish_reason]
                 st.finish_reason = reasons[0] if reasons else None
                 self._notify(self.listener.on_request_done, st)
         self._publish_stats()

@@ -21,7 +21,8 @@ from tianxia.engine.step_io import RequestFailure, TokenLogprobs
 from tianxia.quant.kv_blocks import KV_BLOCK_BYTES
 from tianxia.engine.lora_manager import LoRARequest, LoRAUnknownError
 from tianxia.engine.scheduler import Scheduler, SchedulerOutput
-from tianxia.engine.sequence import Sequence
+from tianxia.engine.output_processor import RequestDelta, request_delta
+from tianxia.engine.sequence import Sequence, SequenceStatus
 from tianxia.layers.attention import get_backend
 from tianxia.layers.linear import use_row_invariant_linears
 from tianxia.loader import load_model
@@ -540,12 +541,35 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass. A request that fails in it (NaN logits, a detokenizer or grammar
-        error) ends with ``finish_reason="abort"``, its error in ``stop_reason`` and in
-        :attr:`failed` until the next step.
+        """One forward pass; the cumulative output of each request it touched. A request that
+        fails in it (NaN logits, a detokenizer or grammar error) ends with
+        ``finish_reason="abort"``, its error in ``stop_reason`` and in :attr:`failed` until the
+        next step.
 
         With async scheduling the step applied may have been launched by the previous call, and
         this call launches its successor before applying it (``engine/overlap.py``)."""
+        return [self._output(rid) for rid in self._advance() if rid in self.requests]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """:meth:`step` for a server: what each request it touched gained in it (new token ids,
+        finish reasons; the prompt with a request's first delta), made from the sequences without
+        a cumulative output first."""
+        deltas = []
+        requests = self.requests
+        for rid in self._advance():
+            seqs = requests.get(rid)
+            if seqs is None:
+                continue
+            first = seqs[0]
+            finished = (all(s.status is SequenceStatus.FINISHED for s in seqs)
+                        and not first.pending_forks)
+            deltas.append(request_delta(rid, seqs, finished))
+            if finished:
+                del requests[rid]
+        return deltas
+
+    def _advance(self) -> list[str]:
+        """Run (or launch and apply) one step; the ids of the requests it touched."""
         self.failed.clear()
         self.last_applied = None
         touched: dict[str, None] = {}
@@ -565,7 +589,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 touched[seq.request_id] = None
             if not out.scheduled:
-                return [self._output(rid) for rid in touched if rid in self.requests]
+                return list(touched)
             if spec is not None:
                 spec.fill(out.scheduled)
                 # a step of decodes (each one token, or one plus its proposals) counts in the time budget
@@ -584,7 +608,7 @@ class LLMEngine:
         if spec is not None and decodes:
             spec.observe(time.perf_counter() - started, len(launched.out.scheduled), spec.num_drafts > drafts,
                          spec.num_accepted_tokens - accepted)
-        return [self._output(rid) for rid in touched if rid in self.requests]
+        return list(touched)
 
     # what the scheduler's update leaves to the engine (StepHandler): a token's text and logprobs,
     # and ending a failed request

@@ -1,9 +1,9 @@
 """Engine outputs as new tokens, and their text, stop strings and snapshots on the API side.
 
 An engine sends, for each request a step touched, only what is new: the token ids (and logprobs)
-each choice gained, and finish reasons (:class:`RequestDelta`, made by :class:`DeltaMaker` from the
-engine's own outputs). Text is the API side's business, as in vLLM V1's ``OutputProcessor``:
-:class:`OutputProcessor` keeps each request's choices, runs their incremental detokenizers and
+each choice gained, and finish reasons (:class:`RequestDelta`, made by :func:`request_delta`
+straight from the engine's sequences). Text is the API side's business, as in vLLM V1's
+``OutputProcessor``: :class:`OutputProcessor` keeps each request's choices, runs their incremental detokenizers and
 stop strings, and hands the server cumulative :class:`RequestOutput` snapshots whose
 ``stable_len`` says how much of the text a stream may send. A choice that meets a stop string
 finishes here, and the caller tells the engine to stop that choice (``n > 1``: its siblings run
@@ -17,7 +17,7 @@ engine core processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -27,6 +27,9 @@ from tianxia.engine import faults
 from tianxia.engine.detokenizer import IncrementalDetokenizer, fast_decode, rust_tokenizer
 from tianxia.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from tianxia.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tianxia.engine.sequence import Sequence
 
 
 class ChoiceDelta(msgspec.Struct, array_like=True, gc=False):
@@ -64,44 +67,29 @@ def engine_params(params: SamplingParams) -> SamplingParams:
     return params.without_text()
 
 
-@dataclass
-class _Sent:
-    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens sent
-    prompt_sent: bool = False
-
-
-class DeltaMaker:
-    """Engine side: turns the engine's cumulative outputs into deltas, remembering per request
-    how many tokens of each choice were sent."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, _Sent] = {}
-
-    def delta(self, out: RequestOutput) -> RequestDelta:
-        sent = self._sent.setdefault(out.request_id, _Sent())
-        choices = []
-        for c in out.outputs:
-            start = sent.tokens.get(c.index, 0)
-            if start == len(c.token_ids) and c.finish_reason is None:
-                continue
-            sent.tokens[c.index] = len(c.token_ids)
-            choices.append(ChoiceDelta(
-                c.index, c.token_ids[start:],
-                None if c.logprobs is None else c.logprobs[start:],
-                c.cumulative_logprob, c.finish_reason, c.stop_reason))
-        delta = RequestDelta(out.request_id, choices, out.finished,
-                             num_cached_tokens=out.num_cached_tokens)
-        if not sent.prompt_sent:
-            sent.prompt_sent = True
-            delta.prompt, delta.prompt_token_ids = out.prompt, out.prompt_token_ids
-            delta.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            del self._sent[out.request_id]
-        return delta
-
-    def forget(self, request_id: str) -> None:
-        """The request ended without a finished output (aborted, failed)."""
-        self._sent.pop(request_id, None)
+def request_delta(request_id: str, seqs: list[Sequence], finished: bool) -> RequestDelta:
+    """Engine side: what a request's sequences gained since the last call, from the sequences
+    themselves (each remembers how many of its output tokens were sent). A finished choice is in
+    every delta of its request from then on (its siblings may run on), so the request's last delta
+    names every choice's finish reason."""
+    choices = []
+    for s in seqs:
+        start, total = s.sent_tokens, len(s.token_ids) - s.num_prompt_tokens
+        if start == total and s.finish_reason is None:
+            continue
+        s.sent_tokens = total
+        choices.append(ChoiceDelta(
+            s.index, s.token_ids[s.num_prompt_tokens + start:],
+            None if s.logprobs is None else s.logprobs[start:],
+            s.cumulative_logprob, s.finish_reason, s.stop_reason))
+    first = seqs[0]
+    delta = RequestDelta(request_id, choices, finished, num_cached_tokens=first.num_cached_tokens)
+    if not first.prompt_sent:
+        first.prompt_sent = True
+        delta.prompt, delta.prompt_token_ids = first.prompt, first.prompt_token_ids
+        if first.prompt_logprobs is not None:
+            delta.prompt_logprobs = list(first.prompt_logprobs)
+    return delta
 
 
 @dataclass

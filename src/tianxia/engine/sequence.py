@@ -36,7 +36,7 @@ class Sequence:
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
         "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
         "spec_acceptance", "spec_backoff", "spec_strikes", "ngram_index", "lora_name", "lora_slot",
-        "_prompt_ids",
+        "_prompt_ids", "sent_tokens", "prompt_sent",
     )
 
     def __init__(
@@ -103,6 +103,10 @@ class Sequence:
         self.spec_backoff = 0
         self.spec_strikes = 0
         self.ngram_index = None  # the prompt lookup's n-gram positions of this sequence
+        # what a server has been sent of it (``output_processor.request_delta``): output tokens,
+        # and whether the prompt went with the request's first delta (first sequence only)
+        self.sent_tokens = 0
+        self.prompt_sent = False
 
     def fork(self, index: int) -> Sequence:
         """A sibling for parallel sampling: same tokens and blocks (the caller adds block refs)."""
