@@ -340,7 +340,9 @@ class EngineClient:
                     raise item
                 if item.finished:
                     finished = True
-                yield item
+                # the newest snapshot is built now, from the request's state (nothing newer has
+                # been processed: this task and the deliveries take turns on one event loop)
+                yield item.output
                 if finished:
                     return
         finally:
@@ -369,10 +371,10 @@ class EngineClient:
                 else:
                     if result is None:
                         continue
-                    item = result.output
+                    item = result
                     if result.stop_request:  # its choices all met stop strings here
                         self._stop_in_engine(
-                            rid, "stop", sum(len(c.token_ids) for c in item.outputs))
+                            rid, "stop", sum(len(c.token_ids) for c in result.output.outputs))
                     for index in result.stop_choices:  # n > 1: the others run on
                         self._stop_choice_in_engine(rid, index)
             else:

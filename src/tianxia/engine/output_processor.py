@@ -17,7 +17,7 @@ engine core processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -121,12 +121,31 @@ class _Request:
     choices: dict[int, _Choice] = field(default_factory=dict)
 
 
-class Processed(NamedTuple):
-    """What :meth:`OutputProcessor.process` made of a delta."""
+class Processed:
+    """What :meth:`OutputProcessor.process` made of a delta: whether the engine must stop the
+    request (every choice met a stop string here) or some of its choices (not all), and the
+    request's cumulative output, built when first read. A stream that falls behind reads only
+    the newest of the snapshots queued for it (they are cumulative), so the ones it skips cost
+    nothing; read at once (the CLI, a test), it is the output as of this delta."""
 
-    output: RequestOutput
-    stop_request: bool  # every choice met a stop string here: the engine must stop the request
-    stop_choices: list[int]  # choices (not all) that met a stop string in this delta
+    __slots__ = ("_req", "request_id", "finished", "stop_request", "stop_choices", "_output")
+
+    def __init__(self, req: _Request, request_id: str, finished: bool, stop_request: bool,
+                 stop_choices: list[int]) -> None:
+        self._req, self.request_id, self.finished = req, request_id, finished
+        self.stop_request, self.stop_choices = stop_request, stop_choices
+        self._output: RequestOutput | None = None
+
+    @property
+    def output(self) -> RequestOutput:
+        if self._output is None:
+            req = self._req
+            self._output = RequestOutput(
+                request_id=self.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                outputs=[req.choices[i].output(i) for i in sorted(req.choices)],
+                finished=self.finished, prompt_logprobs=req.prompt_logprobs,
+                num_cached_tokens=req.num_cached_tokens)
+        return self._output
 
 
 class OutputProcessor:
@@ -172,14 +191,11 @@ class OutputProcessor:
         all_done = len(req.choices) == req.params.n and all(
             c.finish_reason is not None for c in req.choices.values())
         finished = delta.finished or all_done
-        out = RequestOutput(
-            request_id=delta.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[req.choices[i].output(i) for i in sorted(req.choices)], finished=finished,
-            prompt_logprobs=req.prompt_logprobs, num_cached_tokens=req.num_cached_tokens)
         if finished:
             del self._requests[delta.request_id]
         stop_request = finished and not delta.finished
-        return Processed(out, stop_request, [] if finished else stopped_here)
+        return Processed(req, delta.request_id, finished, stop_request,
+                         [] if finished else stopped_here)
 
     def _new_choice(self, req: _Request) -> _Choice:
         p = req.params
