@@ -9,6 +9,11 @@ exactly 64 output tokens), stop the server. Writes ``serve_<shape>.json`` / ``.p
 a core each of the server's processes and the load generator used at each rate, and the engine
 steps each rate took, from ``/metrics``, against those of the same workload offline).
 
+The offline side runs after the server stops (``--repeats`` runs each side N times), or, with
+``--interleave``, in a process of its own beside the server, one offline run after each served
+point at rate ``inf``: a lent host's speed drifts by tens of percent over minutes, and pairs a
+few seconds apart compare like with like (``median_pair_ratio``).
+
     PYTHONPATH=src python benchmarks/gpu_serving.py --out /tmp/out
 """
 
@@ -139,59 +144,115 @@ def served_steps(base: str) -> float:
     return sum(value for name, _, value in parse_metrics(text) if name == "vllm:iteration_tokens_total_count")
 
 
-def offline_throughput(model_dir: Path, args) -> list[tuple[float, int]]:
-    """Output tokens/s of ``args.prompts_per_point`` requests of 128 random prompt tokens and 64
-    output tokens (``ignore_eos``) through ``LLM.generate`` with the server's engine settings, all
-    submitted at once: the ceiling the served figure at rate ``inf`` is compared with. Runs
-    ``args.repeats`` times in one engine, each time with prompts of its own (none hits the prefix
-    cache an earlier run filled). Returns output tokens/s and the engine steps of each run."""
-    import random
+class OfflineRunner:
+    """``args.prompts_per_point`` requests of 128 random prompt tokens and 64 output tokens
+    (``ignore_eos``) through ``LLM.generate`` with the server's engine settings, all submitted at
+    once: the ceiling the served figure at rate ``inf`` is compared with. Each run has prompts of
+    its own (none hits the prefix cache an earlier run filled)."""
 
-    import torch
+    def __init__(self, model_dir: Path, args, gpu_memory_utilization: float = 0.85) -> None:
+        import random
 
-    from tianxia import LLM, SamplingParams
+        from tianxia import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_model_len=2048,
-              gpu_memory_utilization=0.85)
-    vocab = llm.get_tokenizer().vocab_size
-    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature,
-                            top_p=args.top_p)
-    warm = random.Random(-1)
-    llm.generate([{"prompt_token_ids": [warm.randrange(1000, vocab - 1000) for _ in range(128)]}
-                  for _ in range(16)], params, use_tqdm=False)
-    engine, steps = llm.engine, 0
-    step = engine.step
-    timeline: list = []  # (start s, took ms, seqs, tokens) per step: to set beside a served one
+        self.llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_model_len=2048,
+                       gpu_memory_utilization=gpu_memory_utilization)
+        self.vocab = self.llm.get_tokenizer().vocab_size
+        self.n = args.prompts_per_point
+        self.params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature,
+                                     top_p=args.top_p)
+        warm = random.Random(-1)
+        self.llm.generate([{"prompt_token_ids": [warm.randrange(1000, self.vocab - 1000) for _ in range(128)]}
+                           for _ in range(16)], self.params, use_tqdm=False)
+        engine = self.llm.engine
+        step = engine.step
+        self.steps, self.timeline = 0, []  # (start s, took ms, seqs, tokens) per step
 
-    def counted_step(eng=engine):
-        nonlocal steps
-        steps += 1
-        t = time.monotonic()
-        out = step()
-        sched = eng.last_applied
-        if sched is not None:
-            timeline.append((round(t, 4), round(1000 * (time.monotonic() - t), 2), len(sched.scheduled),
-                             sum(n for _, n in sched.scheduled)))
-        return out
+        def counted_step(eng=engine):
+            self.steps += 1
+            t = time.monotonic()
+            out = step()
+            sched = eng.last_applied
+            if sched is not None:
+                self.timeline.append((round(t, 4), round(1000 * (time.monotonic() - t), 2),
+                                      len(sched.scheduled), sum(n for _, n in sched.scheduled)))
+            return out
 
-    engine.step = counted_step
-    runs, timelines = [], []
-    for rep in range(args.repeats):
+        engine.step = counted_step
+
+    def run(self, rep: int) -> tuple[float, int, list]:
+        """Output tokens/s, engine steps and the step timeline of run ``rep``."""
+        import random
+
         rng = random.Random(rep)
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, vocab - 1000) for _ in range(128)]}
-                   for _ in range(args.prompts_per_point)]
-        steps, timeline = 0, []
+        prompts = [{"prompt_token_ids": [rng.randrange(1000, self.vocab - 1000) for _ in range(128)]}
+                   for _ in range(self.n)]
+        self.steps, self.timeline = 0, []
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        runs.append((n / dt, steps))
+        print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {self.steps} engine steps", flush=True)
+        return n / dt, self.steps, self.timeline
+
+
+def offline_throughput(model_dir: Path, args) -> list[tuple[float, int]]:
+    """``args.repeats`` offline runs in one engine, after the server stopped; output tokens/s and
+    engine steps of each."""
+    import torch
+
+    runner = OfflineRunner(model_dir, args)
+    runs, timelines = [], []
+    for rep in range(args.repeats):
+        tok_s, steps, timeline = runner.run(rep)
+        runs.append((tok_s, steps))
         timelines.append(timeline)
-        print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {steps} engine steps", flush=True)
     (Path(args.out) / "offline_steps.json").write_text(json.dumps(timelines))
-    del llm, engine
+    del runner
     torch.cuda.empty_cache()
     return runs
+
+
+class OfflineWorker:
+    """An :class:`OfflineRunner` in a process of its own beside the server (``--interleave``):
+    each served point at rate ``inf`` is followed by an offline run, so that both sides of each
+    pair see the host at the same speed. It starts after the server, so that the server's share
+    of GPU memory is already taken when it sizes its KV cache."""
+
+    def __init__(self, model_dir: Path, argv: list[str]) -> None:
+        # a Triton cache of its own: its kernels are not the server's (counted while serving)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(Path(os.environ["TRITON_CACHE_DIR"]).with_name("triton-offline"))}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--offline-worker", str(model_dir), *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._read()  # "ready"
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("the offline worker exited")
+            if line.startswith("{"):
+                return json.loads(line)
+            print(line, end="", flush=True)
+
+    def run(self, rep: int) -> tuple[float, int, list]:
+        self.proc.stdin.write(f"{rep}\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        return r["tok_s"], r["steps"], r["timeline"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def offline_worker_main(model_dir: Path, args) -> int:
+    runner = OfflineRunner(model_dir, args, gpu_memory_utilization=0.85)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        tok_s, steps, timeline = runner.run(int(line))
+        print(json.dumps({"tok_s": tok_s, "steps": steps, "timeline": timeline}), flush=True)
+    return 0
 
 
 def main() -> int:
@@ -220,9 +281,19 @@ def main() -> int:
                     help="run the rate `inf` point and the offline run this many times each "
                          "(prompts of their own every time) and compare the best of each: a lent "
                          "host's speed drifts by tens of percent between runs a minute apart")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the offline engine in a process of its own beside the server (each "
+                         "taking part of the GPU's memory) and follow each served point at rate "
+                         "`inf` with an offline run: pairs measured a few seconds apart, not "
+                         "minutes (summary: the median of the pairs' ratios)")
+    ap.add_argument("--offline-worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="record each server process's stacks with py-spy at every rate, into DIR")
     args = ap.parse_args()
+    if args.offline_worker is not None:
+        return offline_worker_main(args.offline_worker, args)
+    if args.interleave and not args.offline:
+        ap.error("--interleave runs the offline side: drop --no-offline")
     # a timeout's SIGTERM unwinds through the `with server(...)` below, so the server stops too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
@@ -238,7 +309,7 @@ def main() -> int:
         print(f"{shape}: saved in {time.perf_counter() - t0:.1f} s", flush=True)
         serve = [sys.executable, "-m", "tianxia.cli", "serve", str(d), "--host", "127.0.0.1",
                  "--port", str(args.port), "--served-model-name", shape, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-model-len", "2048", "--gpu-memory-utilization", "0.85",
+                 "--max-model-len", "2048", "--gpu-memory-utilization", "0.4" if args.interleave else "0.85",
                  "--disable-log-stats", "--disable-access-log", *args.server_args.split()]
         res_path = out / f"serve_{shape}.json"
         bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
@@ -251,6 +322,12 @@ def main() -> int:
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
             points, cpu, rc = [], {}, 0
+            worker = pairs = None
+            if args.interleave:
+                worker = OfflineWorker(d, ["--max-num-seqs", str(args.max_num_seqs), "--prompts-per-point",
+                                           str(args.prompts_per_point), "--temperature", str(args.temperature),
+                                           "--top-p", str(args.top_p), "--out", str(out)])
+                pairs, timelines = [], []
             rates = [r for rate in args.rates.split(",")
                      for r in ([rate] * args.repeats if rate == "inf" else [rate])]
             for k, rate in enumerate(rates):
@@ -277,13 +354,27 @@ def main() -> int:
                         print(f"  rate {rate}: {steps:.0f} engine steps, "
                               f"{1000 * new[0]['summary']['duration_s'] / max(steps, 1):.2f} ms a step", flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
+                        if worker is not None and rate == "inf":
+                            tok_s, off_steps, timeline = worker.run(k)
+                            pairs.append((new[0]["summary"]["output_throughput"], tok_s, off_steps))
+                            timelines.append(timeline)
+                            print(f"  pair {len(pairs)}: served/offline {pairs[-1][0] / tok_s:.3f}", flush=True)
+            if worker is not None:
+                worker.close()
+                (out / "offline_steps.json").write_text(json.dumps(timelines))
             res_path.write_text(json.dumps({"points": points}, indent=1))
             # kernels the server compiled while serving (each a stall of a step): should be none
             compiled = triton_cache_entries() - kernels
         summary[shape] = {"server_start_s": round(startup, 1), "bench_rc": rc, "cpu_share": cpu,
                           "triton_kernels_compiled_while_serving": sorted(k.split("/")[1] for k in compiled)}
-        if args.offline:
+        if pairs:
+            runs = [(tok_s, steps) for _, tok_s, steps in pairs]
+            ratios = [served / tok_s for served, tok_s, _ in pairs]
+            summary[shape]["interleaved_pair_ratios"] = [round(r, 3) for r in ratios]
+            summary[shape]["median_pair_ratio"] = round(statistics.median(ratios), 3)
+        elif args.offline:
             runs = offline_throughput(d, args)
+        if args.offline:
             best_tok_s, steps = max(runs)
             summary[shape]["offline_output_tok_s"] = round(best_tok_s, 1)
             summary[shape]["offline_engine_steps"] = steps
