@@ -8,7 +8,8 @@ runner receives are kept. Then, best of 5 rounds:
 
 - ``ModelRunner.tensors`` of the largest mixed step (2,048 rows) and of a step of 256 decodes:
   the step's ids, positions, slots, lengths and block tables packed and sent to the device;
-- ``SamplingBatch.from_sequences`` for 256 sampled rows.
+- ``SamplingBatch.from_sequences`` for 256 sampled rows;
+- the per-request deltas an engine core sends after a step of 256 decodes.
 
 At the 0.5B shape on a GPU a step of 256 decodes takes a few milliseconds and the host's work
 for the next one runs meanwhile, so these microseconds are what bounds a served step. Run it
@@ -40,6 +41,38 @@ def best_us(fn, n: int = 300, rounds: int = 5) -> float:
             fn()
         runs.append((time.perf_counter() - t0) / n * 1e6)
     return min(runs)
+
+
+def request_deltas(engine, prompts, params):
+    """A call that makes the per-request deltas an engine core sends after a step of 256 decodes
+    (each request one new token), by whichever path the tree on ``PYTHONPATH`` has: from the
+    sequences (``request_delta``), or a cumulative ``RequestOutput`` and then a ``DeltaMaker``
+    delta (before ``LLMEngine.step_deltas``)."""
+    from tianxia.engine import output_processor as op
+
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"d{i}", prompt, p)
+    for _ in range(20):  # 16 steps of prompts at the 2,048-token budget, then decodes (24 at most)
+        engine.step()
+    rids = list(engine.requests)
+    assert len(rids) == len(prompts)
+    if hasattr(op, "request_delta"):
+        def deltas() -> None:
+            for rid in rids:
+                seqs = engine.requests[rid]
+                for seq in seqs:
+                    seq.sent_tokens, seq.prompt_sent = seq.num_output_tokens - 1, True
+                op.request_delta(rid, seqs, False)
+        return deltas
+    maker = op.DeltaMaker()
+    for rid in rids:
+        maker.delta(engine._output(rid))
+
+    def old_deltas() -> None:
+        for rid in rids:
+            maker._sent[rid].tokens[0] = engine.requests[rid][0].num_output_tokens - 1
+            maker.delta(engine._output(rid))
+    return old_deltas
 
 
 def main() -> int:
@@ -83,6 +116,7 @@ def main() -> int:
         f"tensors_mixed_{len(mixed.input_ids)}_rows_us": best_us(lambda: runner.tensors(mixed)),
         "tensors_decode_256_rows_us": best_us(lambda: runner.tensors(decode)),
         "sampling_batch_256_rows_us": best_us(lambda: SamplingBatch.from_sequences(rows, (0,))),
+        "request_deltas_256_us": best_us(request_deltas(llm.engine, prompts, params), n=100),
     }
     for k, v in res.items():
         print(f"{k:>32}: {v:7.0f}")
