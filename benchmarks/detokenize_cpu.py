@@ -1,7 +1,8 @@
 """The API side's work per streamed token: ``OutputProcessor.process`` over 256 requests x 64
 steps of one random token each (the engine's deltas as a server receives them), with the tokenizer
 of ``--tokenizer-dir``; per token, median of five runs, through ``tokenizers``' ``DecodeStream``
-and through the Python window (``--python-window``).
+and through the Python window (``--python-window``). Nothing reads the snapshots, so what a
+stream that fell behind skips is not counted: each snapshot is built when a stream reads it.
 
     python benchmarks/detokenize_cpu.py --tokenizer-dir TOK
 """
