@@ -3,9 +3,10 @@
 An engine sends, for each request a step touched, only what is new: the token ids (and logprobs)
 each choice gained, and finish reasons (:class:`RequestDelta`, made by :func:`request_delta`
 straight from the engine's sequences). Text is the API side's business, as in vLLM V1's
-``OutputProcessor``: :class:`OutputProcessor` keeps each request's choices, runs their incremental detokenizers and
-stop strings, and hands the server cumulative :class:`RequestOutput` snapshots whose
-``stable_len`` says how much of the text a stream may send. A choice that meets a stop string
+``OutputProcessor``: :class:`OutputProcessor` keeps each request's choices, runs their
+incremental detokenizers and stop strings, and hands the server cumulative
+:class:`RequestOutput` snapshots (built when read) whose ``stable_len`` says how much of the text
+a stream may send. A choice that meets a stop string
 finishes here, and the caller tells the engine to stop that choice (``n > 1``: its siblings run
 on) or, once all of a request's choices have, the whole request.
 
