@@ -380,7 +380,7 @@ def test_streamed_multibyte_text_is_never_broken(smollm2_llm):
         printed = 0
         while engine.has_unfinished_requests():
             for delta in engine.step_deltas():
-                (out,) = processor.process(delta)[0].outputs
+                (out,) = processor.process(delta).output.outputs
                 deltas.append(out.text[printed:out.stable_len])
                 printed = out.stable_len
         full = "".join(deltas)
