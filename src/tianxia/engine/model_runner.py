@@ -203,8 +203,7 @@ class ModelRunner:
             if graph_logits is not None or row_logits is not None:
                 hidden = None
             elif keep is not None:
-                hidden = self.model(ids, pos, self.kv_caches, meta,
-                                    torch.tensor(keep, dtype=torch.long, device=self.device))
+                hidden = self.model(ids, pos, self.kv_caches, meta, to_device(host_ints(keep), self.device))
                 where = {r: j for j, r in enumerate(keep)}
                 rows = [where[r] for r in rows]
             else:
@@ -225,7 +224,7 @@ class ModelRunner:
             same = len(rows) == graph_logits.shape[0] and rows == list(range(len(rows)))
             logits = graph_logits if same else graph_logits[to_device(host_ints(rows), self.device)]
         else:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(host_ints(rows), self.device)])
         nan_rows = self._nan_rows(logits, step.fault_nan_rows)
         drafted = step.spec_groups is not None
         # on the GPU the NaN rows are looked for after sampling: no host sync between the forward
