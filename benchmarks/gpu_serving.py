@@ -150,13 +150,13 @@ class OfflineRunner:
     once: the ceiling the served figure at rate ``inf`` is compared with. Each run has prompts of
     its own (none hits the prefix cache an earlier run filled)."""
 
-    def __init__(self, model_dir: Path, args, gpu_memory_utilization: float = 0.85) -> None:
+    def __init__(self, model_dir: Path, args) -> None:
         import random
 
         from tianxia import LLM, SamplingParams
 
         self.llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs, max_model_len=2048,
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       gpu_memory_utilization=0.85)
         self.vocab = self.llm.get_tokenizer().vocab_size
         self.n = args.prompts_per_point
         self.params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=args.temperature,
@@ -247,7 +247,7 @@ class OfflineWorker:
 
 
 def offline_worker_main(model_dir: Path, args) -> int:
-    runner = OfflineRunner(model_dir, args, gpu_memory_utilization=0.85)
+    runner = OfflineRunner(model_dir, args)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         tok_s, steps, timeline = runner.run(int(line))

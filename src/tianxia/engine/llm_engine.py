@@ -225,6 +225,11 @@ def plan_gpu_memory(model, model_config, config: EngineConfig, device: torch.dev
     return _replace(config.cache, num_blocks=int(num_blocks))
 
 
+def _all_finished(seqs: list[Sequence]) -> bool:
+    """Whether a request has ended: every sequence finished, and no sibling still to fork."""
+    return all(s.status is SequenceStatus.FINISHED for s in seqs) and not seqs[0].pending_forks
+
+
 def attention_window(model: torch.nn.Module) -> int | None:
     """The sliding window that every attention layer of ``model`` applies (the largest, if they
     differ), or None when any layer attends to the whole context.
@@ -560,9 +565,7 @@ class LLMEngine:
             seqs = requests.get(rid)
             if seqs is None:
                 continue
-            first = seqs[0]
-            finished = (all(s.status is SequenceStatus.FINISHED for s in seqs)
-                        and not first.pending_forks)
+            finished = _all_finished(seqs)
             deltas.append(request_delta(rid, seqs, finished))
             if finished:
                 del requests[rid]
@@ -675,7 +678,7 @@ class LLMEngine:
     def _output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         first = seqs[0]
-        finished = all(s.is_finished for s in seqs) and not first.pending_forks
+        finished = _all_finished(seqs)
         outputs = [
             CompletionOutput(
                 index=s.index,
