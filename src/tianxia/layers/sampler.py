@@ -294,6 +294,15 @@ def _truncation(batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return top_k, top_p
 
 
+def may_empty_rows(batch: SamplingBatch, vocab: int) -> bool:
+    """Whether a row's constraints may leave it no token. A grammar or an allowed list can; bans
+    alone (min_tokens' stop tokens, bad words: a handful of ids a row) only when they cover the
+    vocabulary, so the usual min_tokens request skips the two passes over every logit that
+    finding such rows costs."""
+    return (any(g is not None for g in batch.grammars) or any(a is not None for a in batch.allowed)
+            or any(len(b) >= vocab for b in batch.banned))
+
+
 def _splitmix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -333,9 +342,7 @@ class Sampler:
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = self.process(logits, batch)
         dead_rows: list[int] = []
-        constrained = (any(g is not None for g in batch.grammars) or any(batch.banned)
-                       or any(a is not None for a in batch.allowed))
-        if constrained:
+        if may_empty_rows(batch, logits.shape[1]):
             dead = torch.isneginf(logits).all(dim=-1)
             if bool(dead.any()):
                 dead_rows = dead.nonzero().flatten().tolist()
@@ -353,8 +360,7 @@ class Sampler:
         when it needs them. For logits :meth:`samples_on_device` takes, with no logprobs asked."""
         logits = self.process(logits.float(), batch)
         dead = None
-        if (any(g is not None for g in batch.grammars) or any(batch.banned)
-                or any(a is not None for a in batch.allowed)):
+        if may_empty_rows(batch, logits.shape[1]):
             dead = torch.isneginf(logits).all(dim=-1)
             logits.masked_fill_(dead[:, None], 0.0)  # sample something harmless; the caller drops these rows
         if batch.all_greedy:

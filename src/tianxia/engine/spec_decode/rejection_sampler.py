@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tianxia.layers.sampler import Sampler, SamplingBatch
+from tianxia.layers.sampler import Sampler, SamplingBatch, may_empty_rows
 
 
 class DraftedView:
@@ -115,8 +115,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, groups:
         _mask_drafted(sampler.grammar_backend, logits, constrained_drafts)
     num_rows, device = logits.shape[0], logits.device
     dead = None
-    if (constrained_drafts or any(batch.banned) or any(a is not None for a in batch.allowed)
-            or any(g is not None for g in batch.grammars)):
+    if constrained_drafts or may_empty_rows(batch, logits.shape[1]):
         dead = torch.isneginf(logits).all(dim=-1)
         if bool(dead.any()):
             logits[dead] = 0.0
