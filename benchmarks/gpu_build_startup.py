@@ -30,7 +30,7 @@ def make_model_dir(root: Path, shape: str = "qwen2.5-0.5b", tokenizer_dir: Path 
     ``tokenizer_dir`` (e.g. Qwen2.5's, saved with ``save_pretrained``) or else a word-level
     tokenizer of its vocabulary."""
     import gpu_bench as gb
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     d = root / f"{shape}-random"
@@ -42,10 +42,43 @@ def make_model_dir(root: Path, shape: str = "qwen2.5-0.5b", tokenizer_dir: Path 
         for f in Path(tokenizer_dir).iterdir():
             shutil.copy(f, d / f.name)
         return d
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{gb.EOS}", unk_token="t0").save_pretrained(d)
+    tok = Tokenizer(models.BPE(vocab=dict(zip(WORD_VOCAB, range(vocab))), merges=WORD_MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=WORD_VOCAB[gb.EOS % vocab]).save_pretrained(d)
     return d
+
+
+def _word_tokenizer_vocab() -> tuple[list[str], list[tuple[str, str]]]:
+    """A byte-level BPE whose 100 words (:func:`word`) are one token each, with or without the
+    space before them, and whose other ids decode to plain ASCII words. A word-level model would
+    be simpler, but transformers 5 loads a qwen2 directory's tokenizer as Qwen2Tokenizer, which
+    rebuilds it from vocab and merges (and splits digits off letters): a word-level one then
+    encodes every text to nothing."""
+    digits = list(LETTERS)
+    vocab = ["t", "Ġ", *digits, "Ġt"]
+    merges = [("Ġ", "t")]
+    for lead in ("t", "Ġt"):
+        for d in digits:
+            vocab.append(lead + d)
+            merges.append((lead, d))
+        for d in digits:
+            for e in digits:
+                vocab.append(lead + d + e)
+                merges.append((lead + d, e))
+    vocab += [f"Ġw{i}" for i in range(100_000)]  # cut to the model's vocabulary
+    return vocab, merges
+
+
+LETTERS = "abcdefghij"
+
+
+def word(i: int) -> str:
+    """Word ``i`` (0-99) of the random-weight models' own tokenizer: one token."""
+    return "t" + "".join(LETTERS[int(c)] for c in str(i))
+
+
+WORD_VOCAB, WORD_MERGES = _word_tokenizer_vocab()
 
 
 def main() -> int:

@@ -80,15 +80,20 @@ async def load(port: int, n: int, stream: bool) -> dict:
 async def admit(port: int, n: int) -> float:
     """Seconds for ``n`` requests with text prompts of 128 random words, all sent at once, each
     asking one token: what the API process spends admitting a burst (parse, encode, hand over)."""
+    from gpu_build_startup import word
+
     r = random.Random(1)
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india"]
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=n)) as c:
         t = time.perf_counter()
-        await asyncio.gather(*[c.post(url, json={
-            "model": "m", "prompt": " ".join(r.choice(words) for _ in range(128)), "max_tokens": 1,
-            "temperature": 0}) for _ in range(n)])
-        return time.perf_counter() - t
+        replies = await asyncio.gather(*[c.post(url, json={
+            "model": "m", "prompt": " ".join(word(r.randrange(100)) for _ in range(128)),
+            "max_tokens": 1, "temperature": 0}) for _ in range(n)])
+        seconds = time.perf_counter() - t
+    failed = [resp for resp in replies if resp.status_code != 200]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {n} requests failed: {failed[0].status_code} {failed[0].text}")
+    return seconds
 
 
 def step_histogram(port: int) -> dict[str, float]:
