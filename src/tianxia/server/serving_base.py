@@ -147,7 +147,6 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, Response
 from tianxia.outputs import RequestOutput
 from tianxia.server.errors import bad_request
 from tianxia.server.protocol import ChatCompletionRequest
+from tianxia.server.event_stream import SSE_DONE
 from tianxia.server.serving_base import (
     LOGPROB_FLOOR,
     MAX_LOGPROBS,
-    SSE_DONE,
     STREAM_ERRORS,
     ChoiceStream,
     ChunkHeader,
@@ -216,6 +216,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[bytes]:
         states: dict[int, ChoiceStream] = {}
         final: RequestOutput | None = None
+        tail = b""  # the request's last events, sent with [DONE] in one write
 
         try:
             def every_choice(delta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -275,11 +276,15 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     if choices:
                         usage = self.usage([out]) if prep.continuous_usage else None
-                        yield head.chunk(choices, usage)
+                        chunk = head.chunk(choices, usage)
+                        if out.finished:
+                            tail = chunk
+                        else:
+                            yield chunk
             if prep.include_usage:
-                yield head.chunk([], self.usage([final]))
+                tail += head.chunk([], self.usage([final]))
         except STREAM_ERRORS as e:
-            yield sse(engine_error(e).body())
+            tail += sse(engine_error(e).body())
         finally:
             await outputs.aclose()
-        yield SSE_DONE
+        yield tail + SSE_DONE

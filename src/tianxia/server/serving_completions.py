@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse, Response
 from tianxia.outputs import RequestOutput
 from tianxia.server.errors import bad_request
 from tianxia.server.protocol import CompletionRequest
+from tianxia.server.event_stream import SSE_DONE
 from tianxia.server.serving_base import (
     MAX_LOGPROBS,
-    SSE_DONE,
     STREAM_ERRORS,
     ChoiceStream,
     ChunkHeader,
@@ -191,6 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
         n = prep.n
         states: dict[int, ChoiceStream] = {}
         finals: dict[int, RequestOutput] = {}
+        tail = b""  # the request's last events, sent with [DONE] in one write
 
         try:
             async for batch in outputs:
@@ -235,11 +236,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                     if choices:
                         usage = self.usage(list(finals.values())) if prep.continuous_usage else None
-                        yield head.chunk(choices, usage)
+                        chunk = head.chunk(choices, usage)
+                        if len(finals) == len(prep.prompts) and all(o.finished for o in finals.values()):
+                            tail = chunk
+                        else:
+                            yield chunk
             if prep.include_usage:
-                yield head.chunk([], self.usage(list(finals.values())))
+                tail += head.chunk([], self.usage(list(finals.values())))
         except STREAM_ERRORS as e:
-            yield sse(engine_error(e).body())
+            tail += sse(engine_error(e).body())
         finally:
             await outputs.aclose()
-        yield SSE_DONE
+        yield tail + SSE_DONE

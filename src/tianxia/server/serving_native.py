@@ -28,9 +28,9 @@ from tianxia import __version__
 from tianxia.outputs import CompletionOutput, RequestOutput
 from tianxia.server.errors import bad_request
 from tianxia.server.protocol import INT64_MAX, INT64_MIN, Int, _Base
+from tianxia.server.event_stream import SSE_DONE
 from tianxia.server.serving_base import (
     MAX_LOGPROBS,
-    SSE_DONE,
     STREAM_ERRORS,
     OpenAIServing,
     OutputBatches,
@@ -234,6 +234,7 @@ class SGLangServing(OpenAIServing):
     async def _stream(self, req, rid, prep: Prepared, prefill_only: bool,
                       outputs: OutputBatches, t0: float) -> AsyncIterator[bytes]:
         sent_text = sent_tokens = 0
+        tail = b""  # the request's last event, sent with [DONE] in one write
         try:
             async for batch in outputs:
                 for _, out in batch:
@@ -243,13 +244,17 @@ class SGLangServing(OpenAIServing):
                     if end == sent_text and c.finish_reason is None:
                         continue
                     text = "" if prefill_only else c.text[:end]
-                    yield sse(self._result(req, rid, out, c, prefill_only, sent_tokens, t0, text))
+                    chunk = sse(self._result(req, rid, out, c, prefill_only, sent_tokens, t0, text))
+                    if out.finished:
+                        tail = chunk
+                    else:
+                        yield chunk
                     sent_text, sent_tokens = end, len(c.token_ids)
         except STREAM_ERRORS as e:
-            yield sse(engine_error(e).body())
+            tail += sse(engine_error(e).body())
         finally:
             await outputs.aclose()
-        yield SSE_DONE
+        yield tail + SSE_DONE
 
     def model_info(self) -> dict[str, Any]:
         return {
