@@ -134,14 +134,17 @@ class CpuSampler(threading.Thread):
         return share
 
 
-def served_steps(base: str) -> float:
-    """Engine steps the server has run (``vllm:iteration_tokens_total``'s count, every core)."""
+def served_steps(base: str) -> tuple[float, float]:
+    """Engine steps the server has run and the seconds they took (``tianxia:step_duration_seconds``'s
+    count and sum, every core)."""
     import httpx
 
     from tianxia.server.testing import parse_metrics
 
     text = httpx.get(base + "/metrics", timeout=10).text
-    return sum(value for name, _, value in parse_metrics(text) if name == "vllm:iteration_tokens_total_count")
+    rows = parse_metrics(text)
+    return (sum(value for name, _, value in rows if name == "tianxia:step_duration_seconds_count"),
+            sum(value for name, _, value in rows if name == "tianxia:step_duration_seconds_sum"))
 
 
 class OfflineRunner:
@@ -192,7 +195,9 @@ class OfflineRunner:
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {self.steps} engine steps", flush=True)
+        busy = sum(took for _, took, _, _ in self.timeline) / 1000
+        print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {self.steps} engine steps, "
+              f"{1000 * busy / max(self.steps, 1):.2f} ms a step; in steps {busy:.2f} s of {dt:.2f} s", flush=True)
         return n / dt, self.steps, self.timeline
 
 
@@ -333,13 +338,14 @@ def main() -> int:
             for k, rate in enumerate(rates):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
-                steps0 = served_steps(base)
+                steps0, busy0 = served_steps(base)
                 with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
                     # prompts of their own at each rate: none hits the prefix cache that an
                     # earlier rate filled (the offline run, its ceiling, computes every prompt)
                     r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
                                        capture_output=True, text=True)
-                steps = served_steps(base) - steps0  # the bench's warm-up requests included
+                steps, busy = served_steps(base)  # the bench's warm-up requests included
+                steps, busy = steps - steps0, busy - busy0
                 rc = rc or r.returncode
                 print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
                 if part.is_file():
@@ -351,8 +357,9 @@ def main() -> int:
                         key = f"{rate}#{again + 1}" if again else rate
                         cpu[key] = sampler.busiest(new[0]["summary"]["duration_s"])
                         new[0]["engine_steps"] = steps
-                        print(f"  rate {rate}: {steps:.0f} engine steps, "
-                              f"{1000 * new[0]['summary']['duration_s'] / max(steps, 1):.2f} ms a step", flush=True)
+                        new[0]["engine_busy_s"] = round(busy, 3)  # the time in steps
+                        print(f"  rate {rate}: {steps:.0f} engine steps, {1000 * busy / max(steps, 1):.2f} ms a "
+                              f"step; in steps {busy:.2f} s of {new[0]['summary']['duration_s']:.2f} s", flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
                         if worker is not None and rate == "inf":
                             tok_s, off_steps, timeline = worker.run(k)

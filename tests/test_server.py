@@ -127,9 +127,18 @@ def test_health_version_metrics_need_no_key(server):
         "vllm:iteration_tokens_total_count",
         "tianxia:step_num_seqs_count",
         "tianxia:step_num_seqs_max",
+        "tianxia:step_duration_seconds_count",
     }
     for name in names:
         assert metric(m.text, name, model_name=MODEL) is not None, name
+
+
+def test_step_duration_times_every_step(client, http):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    text = http.get("/metrics").text
+    steps = metric(text, "vllm:iteration_tokens_total_count", model_name=MODEL)
+    assert metric(text, "tianxia:step_duration_seconds_count", model_name=MODEL) == steps > 0
+    assert 0 < metric(text, "tianxia:step_duration_seconds_sum", model_name=MODEL) < 60 * steps
 
 
 def test_tokenize_detokenize(http):

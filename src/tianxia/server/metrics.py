@@ -101,6 +101,8 @@ _LATENCY_BUCKETS = [
     7680.0,
 ]
 _SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_STEP_BUCKETS = [0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03,
+                 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
 def _token_buckets(max_value: int) -> list[int]:
@@ -333,6 +335,7 @@ class ModelMetrics(StatsListener):
     def on_step(self, step: StepStats) -> None:
         self.iteration_tokens.observe(step.num_tokens)
         self.step_seqs.observe(step.num_seqs)
+        self.step_duration.observe(step.duration_s)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -421,6 +424,14 @@ class ServerMetrics(ModelMetrics):
                 "tianxia:step_num_seqs",
                 "Histogram of the number of sequences that ran together in one engine step.",
                 _SEQS_BUCKETS,
+            ),
+            # its sum against the wall clock is how busy the engine was (a served run's steps
+            # against the same workload's offline ones)
+            "step_duration": hist(
+                "tianxia:step_duration_seconds",
+                "Histogram of the time one engine step took (schedule, forward, sample, update) "
+                "in seconds.",
+                _STEP_BUCKETS,
             ),
         }
         self.success = Counter(
