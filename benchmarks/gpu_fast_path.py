@@ -301,7 +301,10 @@ class _Row:
     """What the sampler reads of a sequence, for a step outside the engine."""
 
     def __init__(self, params, seed):
+        from tianxia.layers.sampler import sampling_terms
+
         self.params, self.sample_seed = params, seed
+        self.sampling_terms = sampling_terms(params)
         self.output_token_ids, self.prompt_token_ids, self.num_output_tokens = [], [], 0
         self.bad_words_ids, self.generator, self.grammar = [], None, None
 

@@ -82,6 +82,11 @@ def main() -> int:
     from tianxia import LLM, SamplingParams
     from tianxia.layers.sampler import SamplingBatch
 
+    try:
+        from tianxia.layers.sampler import sampling_terms
+    except ImportError:  # an older tree, compared with this one
+        sampling_terms = None
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -110,6 +115,8 @@ def main() -> int:
             self.params, self.output_token_ids, self.prompt_token_ids = p, [1] * 10, [1] * 128
             self.num_output_tokens, self.bad_words_ids, self.generator = 10, [], None
             self.sample_seed, self.grammar = p.seed, None
+            if sampling_terms is not None:  # built when the sequence is made (trees since 2026-12-06)
+                self.sampling_terms = sampling_terms(p)
 
     rows = [Row(p) for p in params]
     res = {

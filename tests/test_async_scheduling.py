@@ -212,7 +212,7 @@ def test_gpu_sampler_queues_constrained_rows_without_a_host_sync():
     mode turns one into an error), and the result is the host path's."""
     from dataclasses import dataclass, field
 
-    from tianxia.layers.sampler import Sampler, SamplingBatch
+    from tianxia.layers.sampler import Sampler, SamplingBatch, sampling_terms
 
     @dataclass
     class Row:  # what the sampler reads of a sequence
@@ -227,6 +227,10 @@ def test_gpu_sampler_queues_constrained_rows_without_a_host_sync():
         @property
         def num_output_tokens(self) -> int:
             return len(self.output_token_ids)
+
+        @property
+        def sampling_terms(self) -> tuple:
+            return sampling_terms(self.params)
 
     rows = [Row(SamplingParams(temperature=0, min_tokens=8, stop_token_ids=[7]), [1, 2]),
             Row(SamplingParams(temperature=0, allowed_token_ids=[10, 11, 12]), [1]),

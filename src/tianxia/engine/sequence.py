@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from tianxia.layers.sampler import sampling_terms
 from tianxia.sampling_params import SamplingParams
 
 _counter = itertools.count()
@@ -36,7 +37,7 @@ class Sequence:
         "logprobs", "cumulative_logprob", "prompt_logprobs", "pending_forks", "compiled_grammar",
         "grammar", "block_keys", "cache_salt", "sample_seed", "spec_token_ids", "draft_probs", "draft_num_computed",
         "spec_acceptance", "spec_backoff", "spec_strikes", "ngram_index", "lora_name", "lora_slot",
-        "_prompt_ids", "sent_tokens", "prompt_sent",
+        "_prompt_ids", "sent_tokens", "prompt_sent", "sampling_terms",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Sequence:
         # the prompt never changes: one list, not a slice of token_ids for every output
         self._prompt_ids = list(prompt_token_ids)
         self.params = params
+        self.sampling_terms = sampling_terms(params)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

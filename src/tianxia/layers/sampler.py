@@ -31,6 +31,7 @@ class SampledRow(Protocol):
     """What the sampler reads of a sequence (the engine's ``Sequence``, or a view of one)."""
 
     params: Any
+    sampling_terms: tuple  # ``sampling_terms(params)``, built once per sequence
     output_token_ids: list[int]
     prompt_token_ids: list[int]
     num_output_tokens: int
@@ -73,17 +74,17 @@ class SamplingBatch:
         if isinstance(ahead, int):
             ahead = [ahead] * len(seqs)
         # a step samples a few hundred rows whose requests mostly ask the same terms (clients at
-        # their defaults; seeds and stop conditions are not terms): each SamplingParams is read
-        # once, each distinct row of terms is built once, and a gather spreads them over the rows
-        # (building this batch is on the host's path of every decode step)
-        by_params: dict[int, int] = {}
+        # their defaults; seeds and stop conditions are not terms): equal terms are one object
+        # (sampling_terms), each distinct row of terms is built once, and a gather spreads them
+        # over the rows (building this batch is on the host's path of every decode step)
+        by_id: dict[int, int] = {}
         distinct_terms: dict[tuple, int] = {}
         row_terms = []
         for s in seqs:
-            p = s.params
-            k = by_params.get(id(p))
+            t = s.sampling_terms
+            k = by_id.get(id(t))
             if k is None:
-                k = by_params[id(p)] = distinct_terms.setdefault(_row_terms(p), len(distinct_terms))
+                k = by_id[id(t)] = distinct_terms.setdefault(t, len(distinct_terms))
             row_terms.append(k)
         terms = list(distinct_terms)
         numbers = torch.tensor([t[0] for t in terms], dtype=torch.float32).reshape(-1, 7)[host_ints(row_terms)]
@@ -127,13 +128,21 @@ class SamplingBatch:
         )
 
 
-def _row_terms(p: Any) -> tuple[tuple[float, ...], bool, bool]:
+_INTERNED_TERMS: dict[tuple, tuple] = {}
+
+
+def sampling_terms(p: Any) -> tuple[tuple[float, ...], bool, bool]:
     """One SamplingParams as a row of the batch's numbers, whether it samples, whether it is
-    penalized."""
+    penalized. Equal terms come back as one object, so a batch tells its rows apart by identity
+    where it can: served requests each bring their own SamplingParams, most with the same terms
+    (the comparison by value cost a step of 256 such rows about 0.2 ms more than shared ones)."""
     greedy = p.greedy
     numbers = (0.0 if greedy else p.temperature, float(p.top_k), p.top_p, p.min_p,
                p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-    return numbers, not greedy, p.needs_penalties
+    terms = (numbers, not greedy, p.needs_penalties)
+    if len(_INTERNED_TERMS) >= 4096:
+        _INTERNED_TERMS.clear()  # clients that send ever new values: only the sharing is lost
+    return _INTERNED_TERMS.setdefault(terms, terms)
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:

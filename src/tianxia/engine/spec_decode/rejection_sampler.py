@@ -39,6 +39,10 @@ class DraftedView:
         return self.seq.params
 
     @property
+    def sampling_terms(self) -> tuple:
+        return self.seq.sampling_terms
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.seq.output_token_ids + self.drafts
 
