@@ -27,11 +27,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def make_model_dir(root: Path, shape: str = "qwen2.5-0.5b", tokenizer_dir: Path | None = None) -> Path:
     """A random-weight model of ``shape`` saved as a Hugging Face directory, with the tokenizer of
-    ``tokenizer_dir`` (e.g. Qwen2.5's, saved with ``save_pretrained``) or else a word-level
-    tokenizer of its vocabulary."""
+    ``tokenizer_dir`` (e.g. Qwen2.5's, saved with ``save_pretrained``) or else one of
+    :func:`word_tokenizer`'s, the size of its vocabulary."""
     import gpu_bench as gb
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     d = root / f"{shape}-random"
     hf = gb.build_hf(shape, "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16)
@@ -42,32 +40,10 @@ def make_model_dir(root: Path, shape: str = "qwen2.5-0.5b", tokenizer_dir: Path 
         for f in Path(tokenizer_dir).iterdir():
             shutil.copy(f, d / f.name)
         return d
-    tok = Tokenizer(models.BPE(vocab=dict(zip(WORD_VOCAB, range(vocab))), merges=WORD_MERGES))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=WORD_VOCAB[gb.EOS % vocab]).save_pretrained(d)
+    # the end-of-sequence token is an added one past the model's vocabulary, as before: the
+    # engine ignores it, and no id of the model is special
+    word_tokenizer(vocab).save_pretrained(d)
     return d
-
-
-def _word_tokenizer_vocab() -> tuple[list[str], list[tuple[str, str]]]:
-    """A byte-level BPE whose 100 words (:func:`word`) are one token each, with or without the
-    space before them, and whose other ids decode to plain ASCII words. A word-level model would
-    be simpler, but transformers 5 loads a qwen2 directory's tokenizer as Qwen2Tokenizer, which
-    rebuilds it from vocab and merges (and splits digits off letters): a word-level one then
-    encodes every text to nothing."""
-    digits = list(LETTERS)
-    vocab = ["t", "Ġ", *digits, "Ġt"]
-    merges = [("Ġ", "t")]
-    for lead in ("t", "Ġt"):
-        for d in digits:
-            vocab.append(lead + d)
-            merges.append((lead, d))
-        for d in digits:
-            for e in digits:
-                vocab.append(lead + d + e)
-                merges.append((lead + d, e))
-    vocab += [f"Ġw{i}" for i in range(100_000)]  # cut to the model's vocabulary
-    return vocab, merges
 
 
 LETTERS = "abcdefghij"
@@ -78,7 +54,32 @@ def word(i: int) -> str:
     return "t" + "".join(LETTERS[int(c)] for c in str(i))
 
 
-WORD_VOCAB, WORD_MERGES = _word_tokenizer_vocab()
+def word_tokenizer(vocab: int):
+    """A byte-level BPE of ``vocab`` ids whose 100 words (:func:`word`) are one token each, with
+    or without the space before them, and whose other ids decode to plain ASCII words. A
+    word-level model would be simpler, but transformers 5 loads a qwen2 directory's tokenizer as
+    Qwen2Tokenizer, which rebuilds it from vocab and merges (and splits digits off letters): a
+    word-level one then encodes every text to nothing."""
+    import gpu_bench as gb
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    letters = list(LETTERS)
+    pieces = ["t", "Ġ", *letters, "Ġt"]
+    merges = [("Ġ", "t")]
+    for lead in ("t", "Ġt"):
+        for d in letters:
+            pieces.append(lead + d)
+            merges.append((lead, d))
+        for d in letters:
+            for e in letters:
+                pieces.append(lead + d + e)
+                merges.append((lead + d, e))
+    pieces += [f"Ġw{i}" for i in range(vocab - len(pieces))]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{gb.EOS}")
 
 
 def main() -> int:
