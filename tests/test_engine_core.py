@@ -229,3 +229,45 @@ def test_bad_engine_core_flags_are_one_line_errors(flags, message):
                        capture_output=True, text=True, timeout=120, check=False)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_core_sends_one_message_a_step(smollm2_llm):
+    """Each step's tokens and statistics leave the core as one message; a turn of its loop that
+    took no command and changed no statistic sends none. (A statistics-only message after every
+    step had doubled the messages, and each API process's wake-ups, at concurrency 1.)"""
+    import zmq
+
+    from tianxia.engine import core_messages as msgs
+    from tianxia.engine.core_proc import EngineCore
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://core-outputs")
+    push.connect("inproc://core-outputs")
+    core = EngineCore(smollm2_llm.engine, [push], log_stats_interval=None)
+    thread = core.run_thread()
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    try:
+        core.handle(["add", "r0", PROMPTS[0], msgs.params_fields(params), time.monotonic(), None, 0])
+        messages: list[msgs.Outputs] = []
+        while not any(o.finished for m in messages for o in m.outputs):
+            assert pull.poll(60_000), "no message from the core within 60 s"
+            messages.append(msgs.from_core.decode(pull.recv()))
+        time.sleep(0.5)  # nothing more may follow a finished, idle request's last step
+        while pull.poll(0):
+            messages.append(msgs.from_core.decode(pull.recv()))
+    finally:
+        core.handle(["shutdown"])
+        thread.join(30)
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    with_tokens = [m for m in messages if m.outputs]
+    assert sum(len(c.new_token_ids) for m in with_tokens for o in m.outputs for c in o.choices) == 24
+    assert [a[0] for m in messages for a in m.acks] == ["r0"]
+    # besides those: the core's first statistics, and the acknowledgement (answered before the
+    # first step)
+    assert len(messages) <= len(with_tokens) + 2, [len(m.outputs) for m in messages]
+    # the statistics still arrive: the last message counts every generated token
+    assert messages[-1].stats["generation_tokens"] - messages[0].stats["generation_tokens"] >= 23
+    assert len([s for m in messages for s in m.steps]) >= len(with_tokens)

@@ -37,6 +37,8 @@ from tianxia.engine.engine_info import EngineInfo
 from tianxia.engine.llm_engine import PromptType
 
 logger = logging.getLogger(__name__)
+# plain ints: pyzmq's enum members cost an enum operation on every test of the socket
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 # the errors a core reports for a request, by class name
 _ERRORS = {cls.__name__: cls for cls in (
@@ -430,7 +432,7 @@ class EngineCoreClient(EngineClient):
 
     def _on_readable(self, core: CoreState) -> None:
         # the socket's descriptor is edge-triggered: read until ZeroMQ says nothing is left
-        while not core.out.closed and core.out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not core.out.closed and core.out.getsockopt(_EVENTS) & _POLLIN:
             message = msgs.from_core.decode(core.out.recv(zmq.NOBLOCK))
             if isinstance(message, msgs.Outputs):
                 self._on_outputs(core, message)

@@ -69,6 +69,9 @@ class _Forwarder(StatsListener):
     def on_request_done(self, stats: RequestStats) -> None:
         self.done.append(stats)
 
+    def pending(self) -> bool:
+        return bool(self.steps or self.first_tokens or self.inter_tokens or self.done)
+
     def take(self) -> dict[str, list]:
         out = {"steps": self.steps, "first_tokens": self.first_tokens,
                "inter_tokens": self.inter_tokens, "done": self.done}
@@ -87,6 +90,7 @@ class EngineCore(AsyncLLMEngine):
         self._acks: collections.deque = collections.deque()
         self._replies: collections.deque = collections.deque()
         self._dirty = False
+        self._sent_stats: dict | None = None  # the snapshot the last message carried
         self._forwarder = _Forwarder()
         super().__init__(engine, stats_listener=self._forwarder, on_dead=self._send_dead, **kwargs)
 
@@ -151,13 +155,16 @@ class EngineCore(AsyncLLMEngine):
 
     def _publish_stats(self, adds_taken: int = 0) -> None:
         super()._publish_stats(adds_taken)
-        self._dirty = True
+        # every turn publishes; only a changed snapshot is news (a turn between two steps that
+        # took no command would otherwise send a second message, and wake each API process, for
+        # every step)
+        self._dirty = self._snapshot != self._sent_stats
 
     def _drain_commands(self) -> None:
         try:
             super()._drain_commands()
         finally:
-            if self._dirty or self._acks or self._replies:
+            if self._dirty or self._acks or self._replies or self._forwarder.pending():
                 self._post([])
 
     def _post(self, batch: list[tuple[str, Any]]) -> None:
@@ -182,6 +189,7 @@ class EngineCore(AsyncLLMEngine):
         with self._count_lock:
             stats = self._snapshot
         self._dirty = False
+        self._sent_stats = stats
         shared = {**self._forwarder.take(), "stats": stats, "max_step_seqs": self.max_step_seqs}
         for out, message in zip(self._outs, per_client):
             for key, value in shared.items():
