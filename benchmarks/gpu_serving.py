@@ -134,17 +134,35 @@ class CpuSampler(threading.Thread):
         return share
 
 
-def served_steps(base: str) -> tuple[float, float]:
-    """Engine steps the server has run and the seconds they took (``tianxia:step_duration_seconds``'s
-    count and sum, every core)."""
+def served_steps(base: str) -> dict[str, float]:
+    """The server's engine steps so far (every core): how many, the seconds they took
+    (``tianxia:step_duration_seconds``), the sequences and tokens they carried
+    (``tianxia:step_num_seqs``, ``vllm:iteration_tokens_total``) and how many carried at most half
+    of ``--max-num-seqs`` (the histogram's bucket at 128)."""
     import httpx
 
     from tianxia.server.testing import parse_metrics
 
     text = httpx.get(base + "/metrics", timeout=10).text
     rows = parse_metrics(text)
-    return (sum(value for name, _, value in rows if name == "tianxia:step_duration_seconds_count"),
-            sum(value for name, _, value in rows if name == "tianxia:step_duration_seconds_sum"))
+
+    def total(name: str, **labels: str) -> float:
+        return sum(value for n, lab, value in rows
+                   if n == name and all(lab.get(k) == v for k, v in labels.items()))
+
+    return {"steps": total("tianxia:step_duration_seconds_count"),
+            "busy_s": total("tianxia:step_duration_seconds_sum"),
+            "seqs": total("tianxia:step_num_seqs_sum"),
+            "tokens": total("vllm:iteration_tokens_total_sum"),
+            "half_full": total("tianxia:step_num_seqs_bucket", le="128.0")}
+
+
+def step_sizes(steps: float, seqs: float, tokens: float, half_full: float) -> str:
+    """One line: the mean batch of a run's steps, served or offline, to tell a run that kept its
+    batch full from one that ran more, smaller steps."""
+    n = max(steps, 1)
+    return (f"{seqs / n:.1f} sequences and {tokens / n:.0f} tokens a step; {half_full:.0f} steps "
+            f"of 128 sequences or fewer")
 
 
 class OfflineRunner:
@@ -198,6 +216,9 @@ class OfflineRunner:
         busy = sum(took for _, took, _, _ in self.timeline) / 1000
         print(f"  offline run {rep}: {n / dt:.1f} output tok/s, {self.steps} engine steps, "
               f"{1000 * busy / max(self.steps, 1):.2f} ms a step; in steps {busy:.2f} s of {dt:.2f} s", flush=True)
+        print("  offline run {}: {}".format(rep, step_sizes(
+            len(self.timeline), sum(s for _, _, s, _ in self.timeline), sum(t for _, _, _, t in self.timeline),
+            sum(1 for _, _, s, _ in self.timeline if s <= 128))), flush=True)
         return n / dt, self.steps, self.timeline
 
 
@@ -338,14 +359,15 @@ def main() -> int:
             for k, rate in enumerate(rates):
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
-                steps0, busy0 = served_steps(base)
+                before = served_steps(base)
                 with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
                     # prompts of their own at each rate: none hits the prefix cache that an
                     # earlier rate filled (the offline run, its ceiling, computes every prompt)
                     r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
                                        capture_output=True, text=True)
-                steps, busy = served_steps(base)  # the bench's warm-up requests included
-                steps, busy = steps - steps0, busy - busy0
+                after = served_steps(base)  # the bench's warm-up requests included
+                delta = {k: after[k] - before[k] for k in after}
+                steps, busy = delta["steps"], delta["busy_s"]
                 rc = rc or r.returncode
                 print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
                 if part.is_file():
@@ -360,6 +382,10 @@ def main() -> int:
                         new[0]["engine_busy_s"] = round(busy, 3)  # the time in steps
                         print(f"  rate {rate}: {steps:.0f} engine steps, {1000 * busy / max(steps, 1):.2f} ms a "
                               f"step; in steps {busy:.2f} s of {new[0]['summary']['duration_s']:.2f} s", flush=True)
+                        new[0]["engine_step_seqs"] = delta["seqs"]
+                        new[0]["engine_step_tokens"] = delta["tokens"]
+                        print(f"  rate {rate}: " + step_sizes(steps, delta["seqs"], delta["tokens"],
+                                                             delta["half_full"]), flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
                         if worker is not None and rate == "inf":
                             tok_s, off_steps, timeline = worker.run(k)
