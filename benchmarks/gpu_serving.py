@@ -366,7 +366,7 @@ def main() -> int:
                     r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
                                        capture_output=True, text=True)
                 after = served_steps(base)  # the bench's warm-up requests included
-                delta = {k: after[k] - before[k] for k in after}
+                delta = {name: after[name] - before[name] for name in after}
                 steps, busy = delta["steps"], delta["busy_s"]
                 rc = rc or r.returncode
                 print(r.stdout[-3000:], r.stderr[-2000:], flush=True)

@@ -89,7 +89,6 @@ class EngineCore(AsyncLLMEngine):
         self._client_of: dict[str, int] = {}  # request id -> the API process that sent it
         self._acks: collections.deque = collections.deque()
         self._replies: collections.deque = collections.deque()
-        self._dirty = False
         self._sent_stats: dict | None = None  # the snapshot the last message carried
         self._forwarder = _Forwarder()
         super().__init__(engine, stats_listener=self._forwarder, on_dead=self._send_dead, **kwargs)
@@ -153,18 +152,15 @@ class EngineCore(AsyncLLMEngine):
 
     # --- to the output sockets (engine thread) ------------------------------------------------
 
-    def _publish_stats(self, adds_taken: int = 0) -> None:
-        super()._publish_stats(adds_taken)
-        # every turn publishes; only a changed snapshot is news (a turn between two steps that
-        # took no command would otherwise send a second message, and wake each API process, for
-        # every step)
-        self._dirty = self._snapshot != self._sent_stats
-
     def _drain_commands(self) -> None:
         try:
             super()._drain_commands()
         finally:
-            if self._dirty or self._acks or self._replies or self._forwarder.pending():
+            # every turn publishes its statistics; only a changed snapshot is news (a turn between
+            # two steps that took no command would otherwise send a second message, and wake each
+            # API process, for every step)
+            if (self._snapshot != self._sent_stats or self._acks or self._replies
+                    or self._forwarder.pending()):
                 self._post([])
 
     def _post(self, batch: list[tuple[str, Any]]) -> None:
@@ -188,7 +184,6 @@ class EngineCore(AsyncLLMEngine):
             per_client[client].replies.append(reply)
         with self._count_lock:
             stats = self._snapshot
-        self._dirty = False
         self._sent_stats = stats
         shared = {**self._forwarder.take(), "stats": stats, "max_step_seqs": self.max_step_seqs}
         for out, message in zip(self._outs, per_client):
