@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import select
 import socket
 import statistics
 import subprocess
@@ -389,6 +390,52 @@ def test_rejected_extra_fields_are_retried_without_them(tokenizer):
     assert _FakeOpenAI.bodies[-1]["ignore_eos"] is True
     for r in res["requests"]:  # no usage: our tokenizer counted " a a a a a"
         assert r["output_tokens_source"] == "tokenizer" and r["output_tokens"] == 5
+
+
+class _ClosesKeptAlive(BaseHTTPRequestHandler):
+    """Answers each request on a connection it says it keeps alive, then closes that connection as
+    soon as the next request arrives on it, unanswered: what llama-server's HTTP library does with
+    a connection whose streamed response outlived its keep-alive timeout."""
+
+    protocol_version = "HTTP/1.1"
+    bodies: ClassVar[list[dict]] = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        data = b"".join(b'data: {"choices":[{"text":" a","finish_reason":null}]}\n\n'
+                        for _ in range(body["max_tokens"])) + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Keep-Alive", "timeout=5, max=100")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+        select.select([self.connection], [], [], 5.0)  # the next request (or the client's close)
+        self.close_connection = True
+
+
+def test_request_on_a_connection_the_server_closed_is_sent_again(tokenizer):
+    _ClosesKeptAlive.bodies = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ClosesKeptAlive)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        reqs = [_tiny_request(i, out=3) for i in range(4)]
+        res = run_serve(ClientConfig(base_url=f"http://127.0.0.1:{srv.server_port}", model="x",
+                                     max_concurrency=1), reqs, tokenizer=tokenizer,
+                        progress=False, warmup=0)
+    finally:
+        srv.shutdown()
+    s = res["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0, s["errors"]
+    # requests 1 and 3 went first on the connection kept from the request before them
+    assert any(n.startswith("2 request(s) sent again on a new connection") for n in res["notes"])
+    assert len(_ClosesKeptAlive.bodies) == 4  # each answered once
+    assert all(r["output_tokens"] == 3 for r in res["requests"])
 
 
 def _tiny_request(i: int, out: int = 4):

@@ -5,7 +5,10 @@ One ``aiohttp.ClientSession``; each request is a streamed POST to ``/v1/completi
 gamma / constant arrival schedule (``request_rate``, ``burstiness``) and/or behind a semaphore of
 ``max_concurrency``. To get exact output lengths the payload carries ``ignore_eos`` and
 ``min_tokens``; a server that rejects a field (HTTP 400/422 naming it) is retried once without it,
-later requests leave it out, and the result notes it. The turns of a multi-turn conversation go
+later requests leave it out, and the result notes it. A request whose kept-alive connection the
+server had already closed (llama-server's HTTP library closes one after a response that outlived
+its keep-alive timeout, while the response still said ``keep-alive``) is sent again on a new
+connection, once, and the result notes how many were. The turns of a multi-turn conversation go
 one after the other, each carrying the earlier turns and the replies the server gave;
 conversations arrive on the schedule. Failures (connection errors, HTTP errors, error events in
 the stream, empty streams) are recorded per request, never raised.
@@ -70,6 +73,33 @@ class _Shared:
         self.notes: list[str] = []
         self.inflight = 0
         self.failed = 0
+        self.resent = 0  # requests sent again after their pooled connection turned out closed
+        self.fresh: aiohttp.ClientSession | None = None  # a new connection for each of those
+
+
+# A pooled connection the server closed fails the next request before any status arrives: the
+# write of its body fails, or the server's close (a reset) is all that comes back. Nothing of that
+# request was answered, so it goes once more, on a connection of its own (the pool may hold more
+# connections the server closed at the same moment). A refused connection (ClientConnectorError)
+# or a read timeout is an answer about the server, and is not retried.
+_STALE_ERRORS = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError,
+                 aiohttp.ClientConnectionResetError)
+
+
+def _closed_keep_alive(e: BaseException) -> bool:
+    return isinstance(e, _STALE_ERRORS) and not isinstance(
+        e, (aiohttp.ClientConnectorError, asyncio.TimeoutError))
+
+
+async def _post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict,
+                shared: _Shared) -> aiohttp.ClientResponse:
+    try:
+        return await client.post(url, json=body, headers=headers)
+    except Exception as e:
+        if shared.fresh is None or not _closed_keep_alive(e):
+            raise
+    shared.resent += 1
+    return await shared.fresh.post(url, json=body, headers=headers)
 
 
 def build_payload(cfg: ClientConfig, req: BenchRequest, shared: _Shared) -> dict[str, Any]:
@@ -134,7 +164,8 @@ async def send_request(client: aiohttp.ClientSession, cfg: ClientConfig, req: Be
     texts: list[str] = []
     try:
         for _attempt in range(len(EXTRA_FIELDS) + 1):
-            async with client.post(cfg.url, json=body, headers=headers) as resp:
+            resp = await _post(client, cfg.url, body, headers, shared)
+            async with resp:
                 rec.http_status = resp.status
                 if resp.status != 200:
                     raw = (await resp.read()).decode("utf-8", "replace")
@@ -280,7 +311,9 @@ async def run_async(cfg: ClientConfig, requests: list[BenchRequest], *, progress
     timeout = aiohttp.ClientTimeout(total=None, sock_read=cfg.timeout_s,
                                     sock_connect=min(30.0, cfg.timeout_s))
     connector = aiohttp.TCPConnector(limit=limit or 0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                  timeout=timeout) as shared.fresh:
         # warm-up: not counted; finds out early whether the extra fields are accepted
         for w in range(warmup if requests else 0):
             wreq = _warmup_request(requests[0], w)
@@ -344,6 +377,9 @@ async def run_async(cfg: ClientConfig, requests: list[BenchRequest], *, progress
         await asyncio.gather(*tasks)
         duration = max((r.start_s + (r.e2e_s or 0.0) for r in records if r), default=0.0)
         bar.close()
+    if shared.resent:
+        shared.notes.append(f"{shared.resent} request(s) sent again on a new connection: the server "
+                            "had closed the kept-alive connection they were first sent on")
     return [r for r in records if r is not None], duration, shared.notes
 
 
