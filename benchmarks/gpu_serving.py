@@ -134,6 +134,72 @@ class CpuSampler(threading.Thread):
         return share
 
 
+class QueueSampler(threading.Thread):
+    """Polls the server's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` every
+    0.1 s while a load point runs, to tell where a short batch comes from: a batch below
+    ``--max-num-seqs`` while requests wait in the core is the scheduler's doing; one while none
+    wait, before the point's last waiting request was admitted, means requests were not reaching
+    the core fast enough (the load generator or the API processes); the rest is the final drain."""
+
+    def __init__(self, base: str, max_num_seqs: int) -> None:
+        super().__init__(daemon=True)
+        self.base, self.max_num_seqs = base, max_num_seqs
+        self.samples: list[tuple[float, float, float]] = []  # (t, running, waiting)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        from tianxia.server.testing import parse_metrics
+
+        with httpx.Client(timeout=5) as client:
+            while not self._done.is_set():
+                try:
+                    rows = parse_metrics(client.get(self.base + "/metrics").text)
+                except httpx.HTTPError:
+                    continue
+                got = {n: v for n, _, v in rows
+                       if n in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+                self.samples.append((time.monotonic(), got.get("vllm:num_requests_running", 0.0),
+                                     got.get("vllm:num_requests_waiting", 0.0)))
+                self._done.wait(0.1)
+
+    def __enter__(self) -> QueueSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.join()
+
+    def summary(self) -> dict[str, float]:
+        busy = [(t, r, w) for t, r, w in self.samples if r or w]
+        if not busy:
+            return {}
+        last_waiting = max((t for t, _, w in busy if w), default=busy[0][0])
+        before = [(r, w) for t, r, w in busy if t <= last_waiting]
+        full = self.max_num_seqs
+        return {
+            "samples": len(busy),
+            "running_mean_while_waiting": round(statistics.fmean(
+                [r for r, w in before if w] or [0.0]), 1),
+            "short_while_waiting": sum(1 for r, w in before if w and r < full),
+            "starved": sum(1 for r, w in before if not w and r < full),
+            "drain_s": round(busy[-1][0] - last_waiting, 2),
+            "running_mean_drain": round(statistics.fmean(
+                [r for t, r, w in busy if t > last_waiting] or [0.0]), 1),
+        }
+
+
+def queue_line(q: dict[str, float]) -> str:
+    if not q:
+        return "no queue samples"
+    return (f"{q['samples']:.0f} queue samples: while requests waited in the core {q['running_mean_while_waiting']} "
+            f"ran on average, {q['short_while_waiting']:.0f} samples short of the full batch; "
+            f"{q['starved']:.0f} samples short with none waiting before the last admission; "
+            f"then {q['drain_s']} s of drain at {q['running_mean_drain']} running")
+
+
 def served_steps(base: str) -> dict[str, float]:
     """The server's engine steps so far (every core): how many, the seconds they took
     (``tianxia:step_duration_seconds``), the sequences and tokens they carried
@@ -360,7 +426,8 @@ def main() -> int:
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
                 before = served_steps(base)
-                with CpuSampler() as sampler, StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
+                with CpuSampler() as sampler, QueueSampler(base, args.max_num_seqs) as queue, \
+                        StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
                     # prompts of their own at each rate: none hits the prefix cache that an
                     # earlier rate filled (the offline run, its ceiling, computes every prompt)
                     r = subprocess.run(bench + ["--request-rates", rate, "--seed", str(k), "--save-result", str(part)],
@@ -386,6 +453,8 @@ def main() -> int:
                         new[0]["engine_step_tokens"] = delta["tokens"]
                         print(f"  rate {rate}: " + step_sizes(steps, delta["seqs"], delta["tokens"],
                                                              delta["half_full"]), flush=True)
+                        new[0]["engine_queue"] = queue.summary()
+                        print(f"  rate {rate}: " + queue_line(new[0]["engine_queue"]), flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
                         if worker is not None and rate == "inf":
                             tok_s, off_steps, timeline = worker.run(k)
