@@ -372,15 +372,7 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
 
 def test_rejected_extra_fields_are_retried_without_them(tokenizer):
     _FakeOpenAI.reject, _FakeOpenAI.bodies = {"min_tokens"}, []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        reqs = [_tiny_request(i, out=5) for i in range(3)]
-        res = run_serve(ClientConfig(base_url=f"http://127.0.0.1:{srv.server_port}", model="x",
-                                     max_concurrency=1), reqs, tokenizer=tokenizer,
-                        progress=False, warmup=0)
-    finally:
-        srv.shutdown()
+    res = _one_at_a_time(_FakeOpenAI, [_tiny_request(i, out=5) for i in range(3)], tokenizer)
     s = res["summary"]
     assert s["completed"] == 3 and s["failed"] == 0
     assert any("min_tokens" in n for n in res["notes"])
@@ -421,21 +413,25 @@ class _ClosesKeptAlive(BaseHTTPRequestHandler):
 
 def test_request_on_a_connection_the_server_closed_is_sent_again(tokenizer):
     _ClosesKeptAlive.bodies = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ClosesKeptAlive)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        reqs = [_tiny_request(i, out=3) for i in range(4)]
-        res = run_serve(ClientConfig(base_url=f"http://127.0.0.1:{srv.server_port}", model="x",
-                                     max_concurrency=1), reqs, tokenizer=tokenizer,
-                        progress=False, warmup=0)
-    finally:
-        srv.shutdown()
+    res = _one_at_a_time(_ClosesKeptAlive, [_tiny_request(i, out=3) for i in range(4)], tokenizer)
     s = res["summary"]
     assert s["completed"] == 4 and s["failed"] == 0, s["errors"]
     # requests 1 and 3 went first on the connection kept from the request before them
     assert any(n.startswith("2 request(s) sent again on a new connection") for n in res["notes"])
     assert len(_ClosesKeptAlive.bodies) == 4  # each answered once
     assert all(r["output_tokens"] == 3 for r in res["requests"])
+
+
+def _one_at_a_time(handler: type[BaseHTTPRequestHandler], reqs: list, tokenizer) -> dict:
+    """``reqs`` sent one at a time to a local server of ``handler``."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        return run_serve(ClientConfig(base_url=f"http://127.0.0.1:{srv.server_port}", model="x",
+                                      max_concurrency=1), reqs, tokenizer=tokenizer,
+                         progress=False, warmup=0)
+    finally:
+        srv.shutdown()
 
 
 def _tiny_request(i: int, out: int = 4):
