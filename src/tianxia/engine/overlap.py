@@ -5,7 +5,8 @@ async scheduling, SGLang's overlap scheduler).
 before ``Scheduler.update`` has applied it: a sequence that step N samples decodes its next
 position, its input token its row of step N's sampled ids, which the runner still holds on the
 device (``StepInput.prev_rows``), and its sampling reads the sequence one token ahead; a prompt
-in chunks takes its next chunk; waiting requests are admitted into the budget left. The engine
+in chunks takes its next chunk; waiting requests are admitted into the budget left, and into the
+slots of sequences that step N ends by length (as the scheduler after ``update`` would). The engine
 launches it, then applies step N (stop checks, detokenization, outputs) while the GPU computes
 step N+1, and hands step N+1 to ``update`` on its next step. A sequence that step N ends (EOS, a
 stop string, an abort) has computed one row for nothing; ``update`` passes over it. Where step
@@ -89,6 +90,7 @@ def next_step(scheduler: Scheduler, prev: LaunchedStep) -> tuple[SchedulerOutput
     bm = scheduler.block_manager
     out = SchedulerOutput()
     runs: list[tuple[TokenRun, int]] = []
+    ending = 0  # sequences that step N ends by length: their slots are free in step N+1
     row_info: dict[int, tuple[Sequence, int, int]] = {}  # id(run) -> (seq, ahead, row of step N)
     for seq in scheduler.running:
         if budget <= 0:
@@ -100,6 +102,7 @@ def next_step(scheduler: Scheduler, prev: LaunchedStep) -> tuple[SchedulerOutput
             if not samples_ahead(seq):
                 return None
             if _ends_by_length(seq, max_len):
+                ending += 1
                 continue
             run = TokenRun(_Unread(len(seq) + 1), computed, seq.block_table, seq_id=seq.seq_id)
             row_info[id(run)] = (seq, 1, sampled_row[seq.seq_id])
@@ -115,7 +118,7 @@ def next_step(scheduler: Scheduler, prev: LaunchedStep) -> tuple[SchedulerOutput
         runs.append((run, num_new))
         budget -= num_new
     admitted = len(out.scheduled)
-    scheduler.admit(out, budget)
+    scheduler.admit(out, budget, ending)
     for seq, n in out.scheduled[admitted:]:
         run = TokenRun(seq.token_ids, seq.num_computed_tokens, seq.block_table, seq_id=seq.seq_id)
         row_info[id(run)] = (seq, 0, -1)

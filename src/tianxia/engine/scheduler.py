@@ -134,11 +134,13 @@ class Scheduler:
         out.copies, bm.pending_copies = bm.pending_copies, []
         return out
 
-    def admit(self, out: SchedulerOutput, budget: int) -> int:
+    def admit(self, out: SchedulerOutput, budget: int, ending: int = 0) -> int:
         """Admit waiting sequences first-come first-served into ``out`` while the token budget,
-        sequence slots and KV blocks last; the budget left."""
+        sequence slots and KV blocks last; the budget left. ``ending``: running sequences that
+        the step in flight ends, whose slots this step may already fill."""
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) - ending < self.config.max_num_seqs):
             seq = self.waiting[0]
             if seq.lora_slot >= 0 and not self._lora_fits(seq.lora_slot):
                 break  # its adapter would be one too many in the batch: it waits its turn
