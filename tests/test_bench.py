@@ -340,19 +340,28 @@ def test_compare_writes_table_and_plot(serve_run, tmp_path, capsys):
 # ----------------------------------------------------------------------------- no server
 
 
-class _FakeOpenAI(BaseHTTPRequestHandler):
-    """Streams ``max_tokens`` chunks; rejects the fields in ``reject`` like a strict server."""
+class _Recording(BaseHTTPRequestHandler):
+    """A local stand-in server that keeps the JSON body of every request it reads."""
 
-    protocol_version = "HTTP/1.0"
-    reject: ClassVar[set[str]] = set()
     bodies: ClassVar[list[dict]] = []
 
     def log_message(self, *a):
         pass
 
-    def do_POST(self):
+    def read_body(self) -> dict:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
+        return body
+
+
+class _FakeOpenAI(_Recording):
+    """Streams ``max_tokens`` chunks; rejects the fields in ``reject`` like a strict server."""
+
+    protocol_version = "HTTP/1.0"
+    reject: ClassVar[set[str]] = set()
+
+    def do_POST(self):
+        body = self.read_body()
         bad = sorted(k for k in self.reject if k in body)
         if bad:
             self.send_response(422)
@@ -384,20 +393,15 @@ def test_rejected_extra_fields_are_retried_without_them(tokenizer):
         assert r["output_tokens_source"] == "tokenizer" and r["output_tokens"] == 5
 
 
-class _ClosesKeptAlive(BaseHTTPRequestHandler):
+class _ClosesKeptAlive(_Recording):
     """Answers each request on a connection it says it keeps alive, then closes that connection as
     soon as the next request arrives on it, unanswered: what llama-server's HTTP library does with
     a connection whose streamed response outlived its keep-alive timeout."""
 
     protocol_version = "HTTP/1.1"
-    bodies: ClassVar[list[dict]] = []
-
-    def log_message(self, *a):
-        pass
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).bodies.append(body)
+        body = self.read_body()
         data = b"".join(b'data: {"choices":[{"text":" a","finish_reason":null}]}\n\n'
                         for _ in range(body["max_tokens"])) + b"data: [DONE]\n\n"
         self.send_response(200)
