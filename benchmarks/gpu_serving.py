@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -198,6 +199,34 @@ def queue_line(q: dict[str, float]) -> str:
             f"ran on average, {q['short_while_waiting']:.0f} samples short of the full batch; "
             f"{q['starved']:.0f} samples short with none waiting before the last admission; "
             f"then {q['drain_s']} s of drain at {q['running_mean_drain']} running")
+
+
+_STEP_LINE = re.compile(r"step \d+ at ([\d.]+): (\d+) seqs \((\d+) decodes\), (\d+) tokens, ([\d.]+) ms")
+
+
+def logged_steps(log_path: Path, offset: int) -> list[tuple[float, float, int, int, int]]:
+    """The engine steps the server logged (``--log-level debug``) after byte ``offset`` of its
+    log: (start s from the first, took ms, sequences, decodes, tokens) each."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+    rows = [(float(t), float(ms), int(n), int(d), int(k)) for t, n, d, k, ms in _STEP_LINE.findall(text)]
+    t0 = rows[0][0] if rows else 0.0
+    return [(round(t - t0, 4), ms, n, d, k) for t, ms, n, d, k in rows]
+
+
+def small_steps_line(steps: list[tuple[float, float, int, int, int]], half: int = 128) -> str:
+    """Where a run's steps of ``half`` sequences or fewer are: how many carry no decode (prompts
+    only), and how they fall over the run's tenths."""
+    small = [s for s in steps if s[2] <= half]
+    if not steps:
+        return "no steps logged"
+    end = steps[-1][0] or 1.0
+    tenths = [0] * 10
+    for t, *_ in small:
+        tenths[min(int(10 * t / end), 9)] += 1
+    return (f"{len(steps)} steps logged, {len(small)} of {half} sequences or fewer "
+            f"({sum(1 for s in small if s[3] == 0)} with no decode); by tenth of the run {tenths}")
 
 
 def served_steps(base: str) -> dict[str, float]:
@@ -381,6 +410,9 @@ def main() -> int:
     ap.add_argument("--offline-worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="record each server process's stacks with py-spy at every rate, into DIR")
+    ap.add_argument("--step-log", action="store_true",
+                    help="the server logs every engine step (--log-level debug); each served point's "
+                         "steps go to served_steps.json, as offline_steps.json has the offline runs'")
     args = ap.parse_args()
     if args.offline_worker is not None:
         return offline_worker_main(args.offline_worker, args)
@@ -403,6 +435,10 @@ def main() -> int:
                  "--port", str(args.port), "--served-model-name", shape, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-model-len", "2048", "--gpu-memory-utilization", "0.4" if args.interleave else "0.85",
                  "--disable-log-stats", "--disable-access-log", *args.server_args.split()]
+        if args.step_log:
+            serve += ["--log-level", "debug"]
+        log_path = out / f"server_{shape}.log"
+        served_timelines: list[list[tuple]] = []
         res_path = out / f"serve_{shape}.json"
         bench = [sys.executable, "-m", "tianxia.cli", "bench", "sweep", "--base-url",
                  f"http://127.0.0.1:{args.port}", "--model", shape, "--tokenizer", str(d),
@@ -410,7 +446,7 @@ def main() -> int:
                  "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress",
                  "--temperature", str(args.temperature), "--extra-body", json.dumps({"top_p": args.top_p})]
         t0 = time.monotonic()
-        with server(serve, args.port, out / f"server_{shape}.log", timeout=420.0) as base:
+        with server(serve, args.port, log_path, timeout=420.0) as base:
             startup = time.monotonic() - t0
             kernels = triton_cache_entries()
             points, cpu, rc = [], {}, 0
@@ -426,6 +462,7 @@ def main() -> int:
                 # one bench per rate, so that each point's CPU use per process is its own
                 part = out / f"serve_{shape}_rate{rate}.json"
                 before = served_steps(base)
+                log_offset = log_path.stat().st_size if args.step_log else 0
                 with CpuSampler() as sampler, QueueSampler(base, args.max_num_seqs) as queue, \
                         StackSampler(args.py_spy, f"{shape}_rate{rate}_{k}"):
                     # prompts of their own at each rate: none hits the prefix cache that an
@@ -453,6 +490,9 @@ def main() -> int:
                         new[0]["engine_step_tokens"] = delta["tokens"]
                         print(f"  rate {rate}: " + step_sizes(steps, delta["seqs"], delta["tokens"],
                                                              delta["half_full"]), flush=True)
+                        if args.step_log:
+                            served_timelines.append(logged_steps(log_path, log_offset))
+                            print(f"  rate {rate}: " + small_steps_line(served_timelines[-1]), flush=True)
                         new[0]["engine_queue"] = queue.summary()
                         print(f"  rate {rate}: " + queue_line(new[0]["engine_queue"]), flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
@@ -461,6 +501,8 @@ def main() -> int:
                             pairs.append((new[0]["summary"]["output_throughput"], tok_s, off_steps))
                             timelines.append(timeline)
                             print(f"  pair {len(pairs)}: served/offline {pairs[-1][0] / tok_s:.3f}", flush=True)
+            if served_timelines:
+                (out / "served_steps.json").write_text(json.dumps(served_timelines))
             if worker is not None:
                 worker.close()
                 (out / "offline_steps.json").write_text(json.dumps(timelines))
