@@ -99,28 +99,45 @@ class StackSampler:
                 p.kill()
 
 
-class CpuSampler(threading.Thread):
-    """Samples :func:`process_cpu_seconds` every 0.2 s while a load point runs; :meth:`busiest`
-    gives each process's share of a core over the window of the point's duration where the
-    processes together were busiest (the load itself, not the load generator's start-up)."""
+class Poller(threading.Thread):
+    """A thread that appends ``(time.monotonic(), self.sample())`` to :attr:`samples` every
+    ``interval`` seconds while its ``with`` block runs; a sample that raises :class:`OSError`
+    (a server that did not answer) is skipped."""
+
+    interval = 0.2
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.samples: list[tuple] = []
         self._done = threading.Event()
+
+    def sample(self):
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self._done.is_set():
-            self.samples.append((time.monotonic(), process_cpu_seconds()))
-            self._done.wait(0.2)
+            try:
+                self.samples.append((time.monotonic(), self.sample()))
+            except OSError:
+                pass
+            self._done.wait(self.interval)
 
-    def __enter__(self) -> CpuSampler:
+    def __enter__(self):
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         self.join()
+
+
+class CpuSampler(Poller):
+    """Samples :func:`process_cpu_seconds` every 0.2 s while a load point runs; :meth:`busiest`
+    gives each process's share of a core over the window of the point's duration where the
+    processes together were busiest (the load itself, not the load generator's start-up)."""
+
+    def sample(self) -> dict[str, float]:
+        return process_cpu_seconds()
 
     def busiest(self, duration: float) -> dict[str, float]:
         best, share = -1.0, {}
@@ -135,46 +152,42 @@ class CpuSampler(threading.Thread):
         return share
 
 
-class QueueSampler(threading.Thread):
+class QueueSampler(Poller):
     """Polls the server's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` every
     0.1 s while a load point runs, to tell where a short batch comes from: a batch below
     ``--max-num-seqs`` while requests wait in the core is the scheduler's doing; one while none
     wait, before the point's last waiting request was admitted, means requests were not reaching
     the core fast enough (the load generator or the API processes); the rest is the final drain."""
 
-    def __init__(self, base: str, max_num_seqs: int) -> None:
-        super().__init__(daemon=True)
-        self.base, self.max_num_seqs = base, max_num_seqs
-        self.samples: list[tuple[float, float, float]] = []  # (t, running, waiting)
-        self._done = threading.Event()
+    interval = 0.1
 
-    def run(self) -> None:
+    def __init__(self, base: str, max_num_seqs: int) -> None:
+        import httpx
+
+        super().__init__()
+        self.base, self.max_num_seqs = base, max_num_seqs
+        self._client = httpx.Client(timeout=5)
+
+    def sample(self) -> tuple[float, float]:
+        """(running, waiting); an unanswered poll is an OSError (httpx's transport errors are
+        not), so it is skipped."""
         import httpx
 
         from tianxia.server.testing import parse_metrics
 
-        with httpx.Client(timeout=5) as client:
-            while not self._done.is_set():
-                try:
-                    rows = parse_metrics(client.get(self.base + "/metrics").text)
-                except httpx.HTTPError:
-                    continue
-                got = {n: v for n, _, v in rows
-                       if n in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
-                self.samples.append((time.monotonic(), got.get("vllm:num_requests_running", 0.0),
-                                     got.get("vllm:num_requests_waiting", 0.0)))
-                self._done.wait(0.1)
-
-    def __enter__(self) -> QueueSampler:
-        self.start()
-        return self
+        try:
+            rows = parse_metrics(self._client.get(self.base + "/metrics").text)
+        except httpx.HTTPError as e:
+            raise OSError(str(e)) from e
+        got = {n: v for n, _, v in rows if n in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+        return got.get("vllm:num_requests_running", 0.0), got.get("vllm:num_requests_waiting", 0.0)
 
     def __exit__(self, *exc) -> None:
-        self._done.set()
-        self.join()
+        super().__exit__(*exc)
+        self._client.close()
 
     def summary(self) -> dict[str, float]:
-        busy = [(t, r, w) for t, r, w in self.samples if r or w]
+        busy = [(t, r, w) for t, (r, w) in self.samples if r or w]
         if not busy:
             return {}
         last_waiting = max((t for t, _, w in busy if w), default=busy[0][0])
