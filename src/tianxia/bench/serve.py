@@ -80,15 +80,15 @@ class _Shared:
 # A pooled connection the server closed fails the next request before any status arrives: the
 # write of its body fails, or the server's close (a reset) is all that comes back. Nothing of that
 # request was answered, so it goes once more, on a connection of its own (the pool may hold more
-# connections the server closed at the same moment). A refused connection (ClientConnectorError)
-# or a read timeout is an answer about the server, and is not retried.
+# connections the server closed at the same moment). A refused connection (ClientConnectorError,
+# itself a ClientOSError) or a read timeout (none of these) is an answer about the server, and is
+# not retried.
 _STALE_ERRORS = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError,
                  aiohttp.ClientConnectionResetError)
 
 
 def _closed_keep_alive(e: BaseException) -> bool:
-    return isinstance(e, _STALE_ERRORS) and not isinstance(
-        e, (aiohttp.ClientConnectorError, asyncio.TimeoutError))
+    return isinstance(e, _STALE_ERRORS) and not isinstance(e, aiohttp.ClientConnectorError)
 
 
 async def _post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict,
