@@ -11,10 +11,18 @@ the offline decode step: one script, one machine, one run.
   (last token - first token) / (tokens - 1), median over requests; at concurrency 16, 32 streamed
   requests (128 in / 64 out), output tokens/s over the wall time; then, idle, the share of a
   core that the server and its engine core use over 10 s;
+- the CPU time (user + system, from ``/proc``) per streamed token over the concurrency-1
+  requests, of the API process and of its children (the engine core, with ``--engine-core
+  process``; with ``thread`` the API process holds the engine and the children's share is 0);
 - ``--modes`` picks the served setups: ``thread``, ``process`` and ``api2`` (``--engine-core
   process --api-server-count 2``: two API processes in front of the one core).
 
     python benchmarks/engine_core_cpu.py --threads 2 --out benchmarks/results/engine_core/cpu.json
+
+The server runs the ``tianxia`` that ``PYTHONPATH`` names (else this tree's), so two trees can be
+compared by alternating runs:
+
+    for t in OLD NEW; do PYTHONPATH=$t/src python benchmarks/engine_core_cpu.py --modes process; done
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -32,7 +41,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+if "PYTHONPATH" not in os.environ:
+    sys.path.insert(0, str(REPO / "src"))
+    os.environ["PYTHONPATH"] = str(REPO / "src")
 
 from tianxia.server.testing import ServerProcess  # noqa: E402
 
@@ -56,19 +67,22 @@ print(json.dumps({"decode_step_ms": 1000 * statistics.median(steps)}))
 """
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` and its children still alive (the engine cores)."""
-    import os
-
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of ``pid`` and of its children still alive (the engine cores)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids += [int(c) for c in (task / "children").read_text().split()]
-    total = 0.0
-    for p in pids:
+
+    def used(p: int) -> float:
         fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()]
+    return used(pid), sum(used(c) for c in children)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its children still alive."""
+    return sum(cpu_split(pid))
 
 
 def idle_cpu(pid: int, seconds: float = 10.0) -> float:
@@ -98,11 +112,15 @@ async def one(client: httpx.AsyncClient, url: str, ids: list[int], out_len: int)
     return len(times), (times[-1] - times[0]) / max(1, len(times) - 1)
 
 
-async def served(url: str, out_len: int) -> dict:
+async def served(url: str, pid: int, out_len: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         for ids in prompts(2, 1):  # warm-up
             await one(client, url, ids, out_len)
-        tpots = [(await one(client, url, ids, out_len))[1] for ids in prompts(6, 2)]
+        api0, core0 = cpu_split(pid)
+        sequential = [await one(client, url, ids, out_len) for ids in prompts(6, 2)]
+        api1, core1 = cpu_split(pid)
+        tpots = [tpot for _, tpot in sequential]
+        tokens = sum(n for n, _ in sequential)
         sem = asyncio.Semaphore(16)
 
         async def limited(ids):
@@ -113,6 +131,8 @@ async def served(url: str, out_len: int) -> dict:
         results = await asyncio.gather(*(limited(ids) for ids in prompts(32, 3)))
         wall = time.perf_counter() - t
     return {"tpot_c1_ms": 1000 * statistics.median(tpots),
+            "api_cpu_us_per_token": 1e6 * (api1 - api0) / tokens,
+            "core_cpu_us_per_token": 1e6 * (core1 - core0) / tokens,
             "tok_s_c16": sum(n for n, _ in results) / wall}
 
 
@@ -148,7 +168,7 @@ def main() -> None:
                              "--kv-cache-memory", "256MiB", "--disable-log-stats",
                              "--disable-access-log"])
         with srv:
-            result = asyncio.run(served(srv.url, 64))
+            result = asyncio.run(served(srv.url, srv.proc.pid, 64))
             result["idle_cpu_share"] = idle_cpu(srv.proc.pid)
         result["tpot_vs_offline"] = result["tpot_c1_ms"] / offline_ms[-1]
         print(mode, result, flush=True)
@@ -158,6 +178,8 @@ def main() -> None:
         summary[mode] = {"tpot_c1_ms": statistics.median(r["tpot_c1_ms"] for r in results),
                          "tpot_vs_offline": statistics.median(r["tpot_vs_offline"] for r in results),
                          "tok_s_c16": statistics.median(r["tok_s_c16"] for r in results),
+                         "api_cpu_us_per_token": statistics.median(r["api_cpu_us_per_token"] for r in results),
+                         "core_cpu_us_per_token": statistics.median(r["core_cpu_us_per_token"] for r in results),
                          "idle_cpu_share": max(r["idle_cpu_share"] for r in results)}
     summary["runs"] = runs
     print(json.dumps(summary, indent=2))
