@@ -423,6 +423,10 @@ def main() -> int:
     ap.add_argument("--offline-worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                     help="record each server process's stacks with py-spy at every rate, into DIR")
+    ap.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                    help="at most N requests in flight (a closed loop: each end sends the next), so "
+                         "that a point at rate `inf` measures the serving loop at saturation, not "
+                         "the API process's admission of every request at once")
     ap.add_argument("--step-log", action="store_true",
                     help="the server logs every engine step (--log-level debug); each served point's "
                          "steps go to served_steps.json, as offline_steps.json has the offline runs'")
@@ -458,6 +462,8 @@ def main() -> int:
                  "--input-len", "128", "--output-len", "64",
                  "--num-prompts", str(args.prompts_per_point), "--warmup", "8", "--no-progress",
                  "--temperature", str(args.temperature), "--extra-body", json.dumps({"top_p": args.top_p})]
+        if args.max_concurrency:
+            bench += ["--max-concurrency", str(args.max_concurrency)]
         t0 = time.monotonic()
         with server(serve, args.port, log_path, timeout=420.0) as base:
             startup = time.monotonic() - t0
