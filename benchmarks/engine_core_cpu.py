@@ -12,8 +12,9 @@ the offline decode step: one script, one machine, one run.
   requests (128 in / 64 out), output tokens/s over the wall time; then, idle, the share of a
   core that the server and its engine core use over 10 s;
 - the CPU time (user + system, from ``/proc``) per streamed token over the concurrency-1
-  requests, of the API process and of its children (the engine core, with ``--engine-core
-  process``; with ``thread`` the API process holds the engine and the children's share is 0);
+  requests, of the server's first process and of its children: the API process and the engine
+  core with ``process``; with ``thread`` the one process holds both (the children's share is 0);
+  with ``api2`` the first process only supervises, and both API processes count as children;
 - ``--modes`` picks the served setups: ``thread``, ``process`` and ``api2`` (``--engine-core
   process --api-server-count 2``: two API processes in front of the one core).
 
