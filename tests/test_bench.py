@@ -102,17 +102,17 @@ def serve_run(server, tmp_path_factory):
     """``tianxia bench serve`` as a real CLI run: 6 prompts of 32 tokens, 12 out, 3 at a time."""
     out = tmp_path_factory.mktemp("bench")
     before = _scrape(server)
-    t0 = time.perf_counter()
+    t0, mono0 = time.perf_counter(), time.monotonic()
     r = subprocess.run(  # noqa: PLW1510 - the return code is asserted
         TIANXIA + ["bench", "serve", "--base-url", server, "--model", MODEL,
                    "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "32",
                    "--output-len", "12", "--warmup", "0", "--label", "tianxia", "--save-text",
                    "--save-result", str(out / "run.json"), "--plot", str(out / "run.png")],
         capture_output=True, text=True, timeout=300)
-    wall = time.perf_counter() - t0
+    wall, mono1 = time.perf_counter() - t0, time.monotonic()
     after = _scrape(server)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"stdout": r.stdout, "stderr": r.stderr, "wall": wall, "dir": out,
+    return {"stdout": r.stdout, "stderr": r.stderr, "wall": wall, "dir": out, "monotonic": (mono0, mono1),
             "result": json.loads((out / "run.json").read_text()), "before": before, "after": after}
 
 
@@ -124,6 +124,9 @@ def test_serve_metrics_match_independent_accounting(serve_run, tokenizer):
     s, reqs = res["summary"], res["requests"]
     assert res["schema"] == "tianxia.bench.serve/1"
     assert res["notes"] == []  # ignore_eos and min_tokens accepted, nothing short
+    # where start_s counts from, on the host's monotonic clock (what a server logs its times on)
+    mono0, mono1 = serve_run["monotonic"]
+    assert mono0 < res["start_monotonic_s"] < res["start_monotonic_s"] + res["summary"]["duration_s"] < mono1
     # request count
     assert s["num_requests"] == len(reqs) == 6 and s["completed"] == 6 and s["failed"] == 0
     assert sorted(r["index"] for r in reqs) == list(range(6))
@@ -344,6 +347,10 @@ class _Recording(BaseHTTPRequestHandler):
     """A local stand-in server that keeps the JSON body of every request it reads."""
 
     bodies: ClassVar[list[dict]] = []
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.bodies = []  # each stand-in its own, not the base class's shared list
 
     def log_message(self, *a):
         pass

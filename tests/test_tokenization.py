@@ -25,6 +25,33 @@ def test_a_burst_is_encoded_as_the_tokenizer_encodes_each_text(smollm2_llm):
     encoder.close()
 
 
+def test_each_batch_logs_when_its_texts_were_queued_sent_and_returned(smollm2_llm, caplog):
+    """At debug level every batch says when it was queued, sent to the worker and handed back, on
+    the monotonic clock (what ``benchmarks/burst_admission.py`` lines up with the engine's steps)."""
+    import logging
+    import re
+    import time
+
+    encoder = BatchedEncoder(smollm2_llm.get_tokenizer())
+    texts = [f"text {i}" for i in range(MAX_BATCH + 3)]
+
+    async def burst():
+        return await asyncio.gather(*(encoder.encode(t, False) for t in texts))
+
+    start = time.monotonic()
+    with caplog.at_level(logging.DEBUG, logger="tianxia.server.tokenization"):
+        asyncio.run(burst())
+    end = time.monotonic()
+    encoder.close()
+    batches = [re.fullmatch(r"encoded (\d+) texts: queued at ([\d.]+)-([\d.]+), submitted at ([\d.]+), "
+                            r"delivered at ([\d.]+)", r.getMessage()) for r in caplog.records]
+    assert batches and all(batches)
+    assert sum(int(m[1]) for m in batches) == len(texts) and max(int(m[1]) for m in batches) == MAX_BATCH
+    for m in batches:
+        queued0, queued1, submitted, delivered = (float(m[i]) for i in range(2, 6))
+        assert start - 1e-3 <= queued0 <= queued1 <= submitted + 1e-3 <= delivered + 1e-3 <= end + 2e-3
+
+
 def test_a_text_the_tokenizer_cannot_take_fails_alone(smollm2_llm):
     tok = smollm2_llm.get_tokenizer()
     encoder = BatchedEncoder(tok)

@@ -15,6 +15,7 @@ Result JSON (``--save-result``), schema ``"tianxia.bench.serve/1"``::
       "schema": "tianxia.bench.serve/1",
       "label": str | null,              # engine / run name (--label)
       "date": ISO-8601 UTC, "tianxia_version": str,
+      "start_monotonic_s": float,       # the host's monotonic clock when the requests began
       "host": {"cpu": str, "cores": int, "platform": str, "python": str},   # the client machine
       "config": {
         "base_url", "endpoint": "completions"|"chat", "model", "tokenizer": path | null,

@@ -138,7 +138,7 @@ def run_serve(client: _serve.ClientConfig, requests: list[BenchRequest], *, toke
     from tianxia import __version__
 
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    records, duration, notes = _serve.run(client, requests, progress=progress, warmup=warmup,
+    records, duration, notes, start = _serve.run(client, requests, progress=progress, warmup=warmup,
                                           desc=desc or label or "bench")
     _serve.count_output_tokens(records, tokenizer, keep_text=client.save_text)
     summary = summarize(records, duration, slo=slo)
@@ -153,6 +153,9 @@ def run_serve(client: _serve.ClientConfig, requests: list[BenchRequest], *, toke
         "schema": SERVE_SCHEMA,
         "label": label,
         "date": started,
+        # where each request's start_s counts from, on the host's monotonic clock (a server on the
+        # same host logs its times at --log-level debug on that clock)
+        "start_monotonic_s": round(start, 6),
         "tianxia_version": __version__,
         "host": host_info(),
         "config": {

@@ -352,6 +352,8 @@ class EngineCoreClient(EngineClient):
             self._adds[rid] = (core, fut)
             self._owner[rid] = core
             core.requests.add(rid)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("request %s to core %d at %.4f", rid, core.index, time.monotonic())
             core.inp.send(msgs.encoder.encode(
                 ("add", rid, prompt, msgs.params_fields(params), arrival,
                  None if lora_request is None else [lora_request.lora_name, lora_request.lora_path],

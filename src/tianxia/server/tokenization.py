@@ -7,11 +7,17 @@ millisecond each for a few hundred tokens, while it also streams every running r
 one call on a worker thread: a fast tokenizer's batch encode releases the GIL and spreads the batch
 over the machine's cores (as vLLM's micro-batching tokenizer does). While one batch is encoded,
 the next one gathers.
+
+At ``--log-level debug`` each batch logs when its texts were queued, sent to the worker and handed
+back, on the host's monotonic clock (``benchmarks/burst_admission.py`` lines them up with the
+engine's steps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -21,11 +27,13 @@ from transformers import PreTrainedTokenizerBase
 # prompts reach the engine before its last ones are encoded
 MAX_BATCH = 128
 
+logger = logging.getLogger(__name__)
+
 
 class BatchedEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
-        self._pending: list[tuple[str, bool, asyncio.Future]] = []
+        self._pending: list[tuple[str, bool, asyncio.Future, float]] = []
         self._busy = False
         self._executor: ThreadPoolExecutor | None = None
 
@@ -34,7 +42,7 @@ class BatchedEncoder:
         UnicodeError for text the tokenizer cannot take) for this text alone."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((text, add_special_tokens, fut))
+        self._pending.append((text, add_special_tokens, fut, time.monotonic()))
         if not self._busy:
             self._busy = True
             # after the handlers already scheduled in this turn of the loop: their texts join
@@ -50,16 +58,20 @@ class BatchedEncoder:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tianxia-tokenize")
         work = loop.run_in_executor(self._executor, _encode_batch, self.tokenizer,
-                                    [(text, special) for text, special, _ in batch])
-        work.add_done_callback(partial(self._deliver, loop, batch))
+                                    [(text, special) for text, special, *_ in batch])
+        work.add_done_callback(partial(self._deliver, loop, batch, time.monotonic()))
 
-    def _deliver(self, loop: asyncio.AbstractEventLoop, batch, work: asyncio.Future) -> None:
+    def _deliver(self, loop: asyncio.AbstractEventLoop, batch, submitted: float,
+                 work: asyncio.Future) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("encoded %d texts: queued at %.4f-%.4f, submitted at %.4f, delivered at %.4f",
+                         len(batch), batch[0][3], batch[-1][3], submitted, time.monotonic())
         if work.cancelled():  # the executor was shut down (close) before the batch ran
             results: list = [None] * len(batch)
         else:
             error = work.exception()
             results = [error] * len(batch) if error is not None else work.result()
-        for (_, _, fut), result in zip(batch, results):
+        for (_, _, fut, _), result in zip(batch, results):
             if fut.done():
                 continue
             if result is None:
