@@ -22,6 +22,7 @@ token, with steps cheap enough that a 2-core machine can take a burst of a thous
     python benchmarks/burst_admission.py --requests 1024 --out benchmarks/results/burst/cpu.json
     python benchmarks/burst_admission.py --requests 1024 --max-concurrency 256   # a closed loop
     python benchmarks/burst_admission.py --server-args "--api-server-count 2"
+    python benchmarks/burst_admission.py --py-spy DIR   # the API process's stacks over the burst
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,6 +106,22 @@ def timeline(log: str, start: float) -> dict:
     }
 
 
+def stack_shares(raw: Path) -> dict:
+    """Where the API process's main thread was, from py-spy's raw (collapsed) stacks: the share of
+    its samples inside uvicorn's ASGI call, inside the endpoint function (tianxia's handler) and
+    elsewhere (the event loop itself: HTTP parsing, the core's messages, streaming)."""
+    total = asgi = handler = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if "Thread._bootstrap" in stack.split(";", 1)[0] or not n.isdigit():
+            continue  # the tokenizer's worker thread
+        total += int(n)
+        asgi += int(n) * ("RequestResponseCycle.run_asgi" in stack)
+        handler += int(n) * ("run_endpoint_function" in stack)
+    return {"samples": total, "asgi_share": round(asgi / max(total, 1), 3),
+            "endpoint_share": round(handler / max(total, 1), 3)}
+
+
 def one_run(model: Path, args, out: Path, tag: str) -> dict:
     serve = [str(model), "--served-model-name", "m", "--threads", str(args.threads), "--log-level", "debug",
              "--disable-access-log", "--disable-log-stats", "--max-num-seqs", str(args.max_num_seqs),
@@ -118,8 +136,17 @@ def one_run(model: Path, args, out: Path, tag: str) -> dict:
                  "--no-progress", "--save-result", str(result_path)]
         if args.max_concurrency:
             bench += ["--max-concurrency", str(args.max_concurrency)]
+        spy = None
+        if args.py_spy:
+            args.py_spy.mkdir(parents=True, exist_ok=True)
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(srv.proc.pid), "--rate", "200",
+                                    "--format", "raw", "--nonblocking", "-o", str(args.py_spy / f"api_{tag}.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         r = subprocess.run(bench, capture_output=True, text=True, check=False)
         api1, core1 = cpu_split(srv.proc.pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
         if r.returncode != 0:
             raise RuntimeError(f"bench failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
         with open(srv.log_path, "rb") as f:
@@ -134,6 +161,8 @@ def one_run(model: Path, args, out: Path, tag: str) -> dict:
            "api_cpu_s": round(api1 - api0, 2), "core_cpu_s": round(core1 - core0, 2)}
     row["api_cpu_ms_per_request"] = round(1000 * row["api_cpu_s"] / args.requests, 3)
     row.update(timeline(log, result["start_monotonic_s"]))
+    if args.py_spy and (args.py_spy / f"api_{tag}.txt").exists():
+        row["api_stacks"] = stack_shares(args.py_spy / f"api_{tag}.txt")
     return row
 
 
@@ -149,6 +178,8 @@ def main() -> int:
                     help="at most this many requests in flight (a closed loop) instead of all at once")
     ap.add_argument("--server-args", default="", help="more `tianxia serve` arguments")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                    help="record the API process's stacks over each burst (py-spy) into DIR")
     ap.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tx-burst-"))
