@@ -228,6 +228,23 @@ def logged_steps(log_path: Path, offset: int) -> list[tuple[float, float, int, i
     return [(round(t - t0, 4), ms, n, d, k) for t, ms, n, d, k in rows]
 
 
+def admission_line(log_path: Path, offset: int, start: float) -> tuple[str, dict]:
+    """When the engine ran its first step after the bench started sending (``start``, the bench's
+    ``start_monotonic_s``: the server logs on the same clock), and its first step of as many
+    sequences as any step of the point carried."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+    rows = [(float(t) - start, int(n)) for t, n, *_ in _STEP_LINE.findall(text) if float(t) >= start]
+    if not rows:
+        return "no step after the bench's start", {}
+    most = max(n for _, n in rows)
+    full = next(t for t, n in rows if n == most)
+    facts = {"first_step_s": round(rows[0][0], 3), "largest_step_seqs": most, "largest_step_s": round(full, 3)}
+    return (f"first step {rows[0][0]:.3f} s after the bench's start, first step of {most} sequences at "
+            f"{full:.3f} s"), facts
+
+
 def small_steps_line(steps: list[tuple[float, float, int, int, int]], half: int = 128) -> str:
     """Where a run's steps of ``half`` sequences or fewer are: how many carry no decode (prompts
     only), and how they fall over the run's tenths."""
@@ -512,6 +529,10 @@ def main() -> int:
                         if args.step_log:
                             served_timelines.append(logged_steps(log_path, log_offset))
                             print(f"  rate {rate}: " + small_steps_line(served_timelines[-1]), flush=True)
+                            if "start_monotonic_s" in new[0]:
+                                line, new[0]["admission"] = admission_line(log_path, log_offset,
+                                                                           new[0]["start_monotonic_s"])
+                                print(f"  rate {rate}: " + line, flush=True)
                         new[0]["engine_queue"] = queue.summary()
                         print(f"  rate {rate}: " + queue_line(new[0]["engine_queue"]), flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)

@@ -305,6 +305,9 @@ def test_sweep_finds_highest_load_within_slo(server, tokenizer, tmp_path):
     assert [p["summary"]["completed"] for p in sweep["points"]] == [2, 4]
     assert all(p["meets_slo"] for p in sweep["points"]) and sweep["best_load"] == 2
     assert sweep["points"][1]["summary"]["peak_concurrency"] <= 2
+    # each point's start on the monotonic clock, the second after the first has ended
+    first, second = sweep["points"]
+    assert first["start_monotonic_s"] + first["summary"]["duration_s"] < second["start_monotonic_s"] < time.monotonic()
     # the same points against an impossible SLO: nothing qualifies
     from tianxia.bench.metrics import slo_report
 

@@ -58,7 +58,7 @@ Sweep JSON (``bench sweep --save-result``), schema ``"tianxia.bench.sweep/1"``::
 
     {"schema", "label", "date", "host", "load_kind": "concurrency"|"rate", "config",
      "slo_p99_s": {"ttft"|"tpot"|"itl"|"e2el": seconds}, "max_failed": int,
-     "points": [{"load", "config", "summary", "notes", "meets_slo": bool,
+     "points": [{"load", "config", "start_monotonic_s", "summary", "notes", "meets_slo": bool,
                  "slo_violations": [str]}],
      "best_load": number | null,        # highest load whose p99s meet every SLO
      "best_summary": {"request_throughput", "output_throughput", "peak_concurrency"} | null}

@@ -201,6 +201,7 @@ def run_sweep(client: _serve.ClientConfig, requests: list[BenchRequest], *, kind
         s = res["summary"]
         ok, why = slo_report(s, slo_p99 or {}, max_failed=max_failed)
         pt = {"load": int(load) if kind == "concurrency" else load, "config": res["config"],
+              "start_monotonic_s": res["start_monotonic_s"],
               "summary": s, "notes": res["notes"], "meets_slo": ok, "slo_violations": why}
         if keep_requests:
             pt["requests"] = res["requests"]
