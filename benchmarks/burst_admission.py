@@ -13,7 +13,8 @@ host's monotonic clock, from three sources that share it:
 - ``/proc``: the CPU seconds of the API process and of the engine core over the burst.
 
 It prints, in seconds after the bench's start, when the first, 10%, 50%, 90% and last request
-reached each stage, the first step, and the first step that ran as many sequences as any did.
+reached each stage, the first step, and the first step that ran as many sequences as any did
+(``gpu_serving.py``'s ``steps_after``, which its GPU points print too).
 
 The model is SmolLM2-135M cut to its first ``--layers`` blocks (``benchmarks/gpu_test_model.py``):
 the full output head and tokenizer of the real model, so the API process does real work per
@@ -44,6 +45,7 @@ if "PYTHONPATH" not in os.environ:
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from engine_core_cpu import cpu_split
+from gpu_serving import log_since, steps_after
 from gpu_test_model import truncate_layers
 
 from tianxia.server.testing import ServerProcess
@@ -51,7 +53,6 @@ from tianxia.server.testing import ServerProcess
 _BATCH = re.compile(r"encoded (\d+) texts: queued at ([\d.]+)-([\d.]+), submitted at ([\d.]+), "
                     r"delivered at ([\d.]+)")
 _ADD = re.compile(r"request \S+ to core \d+ at ([\d.]+)")
-_STEP = re.compile(r"step \d+ at ([\d.]+): (\d+) seqs")
 
 
 def small_model(layers: int, out: Path) -> Path:
@@ -90,17 +91,12 @@ def timeline(log: str, start: float) -> dict:
         delivered += [dlv - start] * n
         waits.append(dlv - sub)
     added = [float(t) - start for t in _ADD.findall(log) if float(t) >= start]
-    steps = [(float(t) - start, int(k)) for t, k in _STEP.findall(log) if float(t) >= start]
-    most = max((k for _, k in steps), default=0)
-    full = next((t for t, k in steps if k >= most), None)
     return {
         "parsed_s": quantiles(parsed),
         "tokenized_s": quantiles(delivered),
         "to_core_s": quantiles(added),
-        "first_step_s": round(steps[0][0], 3) if steps else None,
-        "first_full_step_s": None if full is None else round(full, 3),  # the most sequences
-        "most_seqs": most,
-        "steps": len(steps),
+        "first_step_s": None, "largest_step_seqs": 0, "largest_step_s": None, "steps": 0,
+        **steps_after(log, start),  # those four, when a step came after the start
         "tokenizer_batches": len(submitted),
         "tokenizer_batch_s_median": round(sorted(waits)[len(waits) // 2], 4) if waits else None,
     }
@@ -149,9 +145,7 @@ def one_run(model: Path, args, out: Path, tag: str) -> dict:
             spy.wait(60)
         if r.returncode != 0:
             raise RuntimeError(f"bench failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-        with open(srv.log_path, "rb") as f:
-            f.seek(offset)
-            log = f.read().decode("utf-8", "replace")
+        log = log_since(srv.log_path, offset)
     result = json.loads(result_path.read_text())
     s = result["summary"]
     row = {"tag": tag, "requests": args.requests, "max_concurrency": args.max_concurrency,
@@ -199,7 +193,7 @@ def main() -> int:
     for i, r in enumerate(rows, 1):
         q = lambda v: " / ".join("-" if x is None else f"{x:.2f}" for x in v)
         print(f"| {i} | {q(r['parsed_s'])} | {q(r['tokenized_s'])} | {q(r['to_core_s'])} | "
-              f"{r['first_step_s']} | {r['first_full_step_s']} ({r['most_seqs']}) | {r['output_tok_s']} | "
+              f"{r['first_step_s']} | {r['largest_step_s']} ({r['largest_step_seqs']}) | {r['output_tok_s']} | "
               f"{r['ttft_ms'].get('min', 0):.0f} / {r['ttft_ms'].get('median', 0):.0f} | "
               f"{r['api_cpu_ms_per_request']} |")
     if args.out:

@@ -217,32 +217,32 @@ def queue_line(q: dict[str, float]) -> str:
 _STEP_LINE = re.compile(r"step \d+ at ([\d.]+): (\d+) seqs \((\d+) decodes\), (\d+) tokens, ([\d.]+) ms")
 
 
-def logged_steps(log_path: Path, offset: int) -> list[tuple[float, float, int, int, int]]:
-    """The engine steps the server logged (``--log-level debug``) after byte ``offset`` of its
-    log: (start s from the first, took ms, sequences, decodes, tokens) each."""
+def log_since(log_path: Path, offset: int) -> str:
+    """The server's log after byte ``offset``."""
     with open(log_path, "rb") as f:
         f.seek(offset)
-        text = f.read().decode("utf-8", "replace")
-    rows = [(float(t), float(ms), int(n), int(d), int(k)) for t, n, d, k, ms in _STEP_LINE.findall(text)]
+        return f.read().decode("utf-8", "replace")
+
+
+def logged_steps(log: str) -> list[tuple[float, float, int, int, int]]:
+    """The engine steps the server logged (``--log-level debug``) in ``log``: (start s from the
+    first, took ms, sequences, decodes, tokens) each."""
+    rows = [(float(t), float(ms), int(n), int(d), int(k)) for t, n, d, k, ms in _STEP_LINE.findall(log)]
     t0 = rows[0][0] if rows else 0.0
     return [(round(t - t0, 4), ms, n, d, k) for t, ms, n, d, k in rows]
 
 
-def admission_line(log_path: Path, offset: int, start: float) -> tuple[str, dict]:
-    """When the engine ran its first step after the bench started sending (``start``, the bench's
-    ``start_monotonic_s``: the server logs on the same clock), and its first step of as many
-    sequences as any step of the point carried."""
-    with open(log_path, "rb") as f:
-        f.seek(offset)
-        text = f.read().decode("utf-8", "replace")
-    rows = [(float(t) - start, int(n)) for t, n, *_ in _STEP_LINE.findall(text) if float(t) >= start]
+def steps_after(log: str, start: float) -> dict:
+    """When the engine ran its first logged step at or after ``start`` (a load generator's start on
+    the host's monotonic clock, which the server logs on), and its first step of as many sequences
+    as any of those steps carried; seconds after ``start``. Empty when no step came after it."""
+    rows = [(float(t) - start, int(n)) for t, n, *_ in _STEP_LINE.findall(log) if float(t) >= start]
     if not rows:
-        return "no step after the bench's start", {}
+        return {}
     most = max(n for _, n in rows)
     full = next(t for t, n in rows if n == most)
-    facts = {"first_step_s": round(rows[0][0], 3), "largest_step_seqs": most, "largest_step_s": round(full, 3)}
-    return (f"first step {rows[0][0]:.3f} s after the bench's start, first step of {most} sequences at "
-            f"{full:.3f} s"), facts
+    return {"first_step_s": round(rows[0][0], 3), "largest_step_seqs": most,
+            "largest_step_s": round(full, 3), "steps": len(rows)}
 
 
 def small_steps_line(steps: list[tuple[float, float, int, int, int]], half: int = 128) -> str:
@@ -527,12 +527,14 @@ def main() -> int:
                         print(f"  rate {rate}: " + step_sizes(steps, delta["seqs"], delta["tokens"],
                                                              delta["half_full"]), flush=True)
                         if args.step_log:
-                            served_timelines.append(logged_steps(log_path, log_offset))
+                            log = log_since(log_path, log_offset)
+                            served_timelines.append(logged_steps(log))
                             print(f"  rate {rate}: " + small_steps_line(served_timelines[-1]), flush=True)
-                            if "start_monotonic_s" in new[0]:
-                                line, new[0]["admission"] = admission_line(log_path, log_offset,
-                                                                           new[0]["start_monotonic_s"])
-                                print(f"  rate {rate}: " + line, flush=True)
+                            a = new[0]["admission"] = steps_after(log, new[0]["start_monotonic_s"])
+                            print(f"  rate {rate}: " + (
+                                f"first step {a['first_step_s']:.3f} s after the bench's start, first step "
+                                f"of {a['largest_step_seqs']} sequences at {a['largest_step_s']:.3f} s"
+                                if a else "no step after the bench's start"), flush=True)
                         new[0]["engine_queue"] = queue.summary()
                         print(f"  rate {rate}: " + queue_line(new[0]["engine_queue"]), flush=True)
                         print(f"  rate {rate}: share of a core per process {cpu[key]}", flush=True)
