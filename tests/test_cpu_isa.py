@@ -28,6 +28,7 @@ needs_kernels = pytest.mark.skipif(ext is None, reason="no C++ kernels on this m
 VARIANTS = [lvl for lvl in (1, 2) if ext is not None and ext.best_cpu_isa() >= lvl]
 AVX512, AMX = cpu_isa.KERNEL_LEVEL["avx512"], cpu_isa.KERNEL_LEVEL["amx"]
 needs_amx = pytest.mark.skipif(AMX not in VARIANTS, reason="no AMX-INT8 here (CPU or OS permission)")
+needs_avx512 = pytest.mark.skipif(AVX512 not in VARIANTS, reason="no AVX-512 VNNI here")
 
 
 @pytest.fixture
@@ -97,19 +98,57 @@ def _packed(qtype, n: int, k: int, half: bool, seed: int):
 
 
 AMX_ROWS = (1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 257)
+# 4-, 5-, 6- and 8-bit codes with and without mins, groups of 16 and 32, weight rows that no
+# 16-row tile divides
+PACKED_SHAPES = [(QT.Q4_0, 44, 512), (QT.Q4_1, 77, 576), (QT.Q5_0, 50, 576), (QT.Q5_1, 37, 256), (QT.Q4_K, 61, 512),
+                 (QT.Q5_K, 19, 256), (QT.Q6_K, 45, 512), (QT.Q8_0, 83, 576), (QT.Q3_K, 30, 256), (QT.Q2_K, 53, 512)]
+
+
+@needs_kernels
+@needs_avx512
+@pytest.mark.parametrize("half", [True, False], ids=["fp16 scales", "fp32 scales"])
+@pytest.mark.parametrize(("qtype", "n", "k"), PACKED_SHAPES, ids=lambda v: v.name if isinstance(v, QT) else str(v))
+def test_avx512_hex_products_are_bit_exact_with_avx2(qtype, n, k, half, isa_level):
+    """From 6 activation rows the AVX-512 variant widens 16 weight rows at a time for vpdpbusd on
+    512-bit vectors (8-bit codes offset by 128, each sum started from -128 times the activations'):
+    every row count around its thresholds and tiles, with and without bias, against AVX2."""
+    packed = _packed(qtype, n, k, half, seed=n)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(max(AMX_ROWS), k, generator=g) * torch.rand(max(AMX_ROWS), 1, generator=g) * 4
+    bias = torch.randn(n, generator=g)
+    for m in (*AMX_ROWS, 5, 6, 7, 8, 9):
+        for b in (None, bias):
+            ext.set_cpu_isa(0, 1)
+            want = cpu_kernels.packed_linear(x[:m], packed, b, True)
+            ext.set_cpu_isa(AVX512, 1, 1)
+            got = cpu_kernels.packed_linear(x[:m], packed, b, True)
+            assert torch.equal(got, want), f"{m} rows, bias {b is not None}"
+
+
+@needs_kernels
+@needs_avx512
+def test_avx512_keeps_the_8_bit_products_of_extreme_activations(isa_level):
+    """Activations whose 8-bit codes reach -128, where AVX2's sign trick differs from an exact
+    product, give the AVX2 bits on AVX-512 too (such products skip the hexes)."""
+    packed = _packed(QT.Q8_0, 40, 256, True, seed=5)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(6))
+    x[3, :32] = 1e-38
+    x[7, 40] = float("inf")
+    x[9, 70] = float("nan")
+    ext.set_cpu_isa(0, 1)
+    want = cpu_kernels.packed_linear(x, packed, None, True)
+    ext.set_cpu_isa(AVX512, 1, 1)
+    got = cpu_kernels.packed_linear(x, packed, None, True)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # (bits: NaN equals no float)
 
 
 @needs_kernels
 @needs_amx
 @pytest.mark.parametrize("half", [True, False], ids=["fp16 scales", "fp32 scales"])
-@pytest.mark.parametrize(("qtype", "n", "k"), [
-    (QT.Q4_0, 44, 512), (QT.Q4_1, 77, 576), (QT.Q5_0, 50, 576), (QT.Q5_1, 37, 256), (QT.Q4_K, 61, 512),
-    (QT.Q5_K, 19, 256), (QT.Q6_K, 45, 512), (QT.Q8_0, 83, 576), (QT.Q3_K, 30, 256), (QT.Q2_K, 53, 512)],
-    ids=lambda v: v.name if isinstance(v, QT) else str(v))
+@pytest.mark.parametrize(("qtype", "n", "k"), PACKED_SHAPES, ids=lambda v: v.name if isinstance(v, QT) else str(v))
 def test_amx_products_are_bit_exact_with_avx512_and_avx2(qtype, n, k, half, isa_level):
-    """4-, 5-, 6- and 8-bit codes with and without mins, groups of 16 and 32, weight rows that no
-    16-row tile divides, every row count around the tiles' 16 and pairs of them, with and without
-    bias: AMX (every row count forced onto it) against AVX-512 and AVX2."""
+    """Every row count around the tiles' 16 and pairs of them, with and without bias: AMX (every
+    row count forced onto it) against AVX-512 and AVX2."""
     packed = _packed(qtype, n, k, half, seed=n)
     g = torch.Generator().manual_seed(k)
     x = torch.randn(max(AMX_ROWS), k, generator=g) * torch.rand(max(AMX_ROWS), 1, generator=g) * 4

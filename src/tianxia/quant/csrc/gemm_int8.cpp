@@ -22,6 +22,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <new>
 
 namespace tianxia {
 
@@ -387,6 +388,221 @@ void tile_outputs(const WeightTile& t, const uint8_t* panel, int64_t nb, int64_t
   }
 }
 
+#ifdef TIANXIA_VNNI
+// Hexes: 16 weight rows widened so that each 4 codes of a row sit in that row's 32-bit lane, the
+// layout of AMX's B tiles and of vpdpbusd on 512-bit vectors alike. One vpdpbusd with 4 of an
+// activation row's bytes broadcast then adds 16 rows' sums of 4 products, each in its own lane:
+// no transpose-add folds the sums (the quad tile spends 9 ops a block and row on it), and each
+// weight vector serves every activation row of the panel. Per half block the lanes end with the
+// same exact integers as the quad tile's, and the float steps are its own, per output and in the
+// same order, so the outputs are the same bits (tests/test_cpu_isa.py). The AMX variant's tiles
+// read the same layout.
+
+// one block of 16 weight rows in tile layout: the two halves' B tiles, 4 x 64 bytes each
+constexpr int64_t kHexCodes = 512;
+// and its factors: the 16 rows' scales of the low half's group, of the high half's, then the
+// same for min - off * scale (quad_factors' values, regrouped)
+constexpr int64_t kHexFactors = 64;
+// std::vector's storage at a cache line's start: the tiles' and the vector units' loads and
+// stores of 64 bytes then never straddle two lines
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const LineAligned&) const { return true; }
+  bool operator!=(const LineAligned&) const { return false; }
+};
+template <typename T>
+using Lines = std::vector<T, LineAligned<T>>;
+
+struct HexTile {
+  Lines<uint8_t> codes;      // [hex][block][kHexCodes]
+  Lines<float> factors;      // [hex][block][kHexFactors]
+  std::vector<float> quads;  // quad_factors() of one hex's 4 quads
+  int64_t rows = 0;
+};
+
+// r[i]: row i of an 8 x 8 matrix of 32-bit units, transposed in place
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+template <int BITS>
+inline __m256i block_codes(const uint8_t* row, int64_t b) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
+  } else {
+    return codes32<BITS, true>(row + b * 4 * BITS);
+  }
+}
+
+// weight rows n0..n0+rows-1 in tile layout (missing rows of the last hex: zero codes and factors;
+// UNSIGNED: 8-bit codes plus 128, for vpdpbusd's unsigned operand)
+template <int BITS, typename S, bool UNSIGNED = false>
+void widen_hexes(const Packed& w, int64_t n0, int64_t rows, HexTile& t) {
+  const int64_t nb = w.K / 32, hexes = (rows + 15) / 16;
+  t.rows = rows;
+  t.codes.resize(hexes * nb * kHexCodes);
+  t.factors.resize(hexes * nb * kHexFactors);
+  t.quads.resize(4 * nb * 16);
+  for (int64_t x = 0; x < hexes; ++x) {
+    const int64_t left = std::min<int64_t>(16, rows - 16 * x), first = n0 + 16 * x;
+    const uint8_t* row[16];
+    for (int j = 0; j < 16; ++j) row[j] = j < left ? w.qs + (first + j) * w.row_bytes() : nullptr;
+    uint8_t* c = t.codes.data() + x * nb * kHexCodes;
+    for (int64_t b = 0; b < nb; ++b) {
+      // 16 rows x 8 units of 4 codes, transposed: unit q of every row is B row q % 4 of half q / 4
+      __m256i lo[8], hi[8];
+      for (int j = 0; j < 8; ++j) {
+        lo[j] = row[j] ? block_codes<BITS>(row[j], b) : _mm256_setzero_si256();
+        hi[j] = row[8 + j] ? block_codes<BITS>(row[8 + j], b) : _mm256_setzero_si256();
+      }
+      if constexpr (UNSIGNED && BITS == 8)
+        for (int j = 0; j < 8; ++j) {
+          lo[j] = _mm256_xor_si256(lo[j], _mm256_set1_epi8(-128));
+          hi[j] = _mm256_xor_si256(hi[j], _mm256_set1_epi8(-128));
+        }
+      transpose8x8(lo);
+      transpose8x8(hi);
+      __m256i* dst = reinterpret_cast<__m256i*>(c + b * kHexCodes);
+      for (int q = 0; q < 8; ++q) {
+        _mm256_storeu_si256(dst + 2 * q, lo[q]);
+        _mm256_storeu_si256(dst + 2 * q + 1, hi[q]);
+      }
+    }
+    // the factors as the register tile makes them, per quad: [scales lo | hi | offsets lo | hi]
+    // of 4 rows per block, regrouped (a 4 x 4 transpose of 128-bit lanes) into 16 rows each
+    for (int q = 0; q < 4; ++q)
+      quad_factors<BITS, S>(w, std::min(first + 4 * q, w.N - 1), std::clamp<int64_t>(left - 4 * q, 0, 4),
+                            t.quads.data() + q * nb * 16);
+    float* f = t.factors.data() + x * nb * kHexFactors;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 v[4];
+      for (int q = 0; q < 4; ++q) v[q] = _mm512_loadu_ps(t.quads.data() + q * nb * 16 + b * 16);
+      const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+      const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+      _mm512_storeu_ps(f + b * kHexFactors, _mm512_shuffle_f32x4(t0, t2, 0x88));
+      _mm512_storeu_ps(f + b * kHexFactors + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+      _mm512_storeu_ps(f + b * kHexFactors + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+      _mm512_storeu_ps(f + b * kHexFactors + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+    }
+  }
+}
+
+// whether any activation code is -128: the register tiles' 8-bit products (ggml's sign trick)
+// take -(-128) as -128 there, which exact products (the hexes', AMX's tiles') would not match.
+// Only blocks whose scale is not finite or too small to invert round to -128 (infinities, NaN,
+// values below about 4e-37); their 8-bit products go to the register tiles instead.
+bool has_min_code(const Activations& a) {
+  const int8_t* p = a.q8.data();
+  const int64_t n = a.M * a.K;
+  const __m512i lowest = _mm512_set1_epi8(-128);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    if (_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(p + i), lowest)) return true;
+  for (; i < n; ++i)
+    if (p[i] == -128) return true;
+  return false;
+}
+
+// 4 bytes at p in every 32-bit lane: a load that vpdpbusd takes as its broadcast operand
+// (a copy through a general register, as memcpy gave, cost a shuffle each)
+using Unaligned32 = int32_t __attribute__((may_alias, aligned(1)));
+inline __m512i bytes4(const uint8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const Unaligned32*>(p)); }
+
+// one half block of a hex against panel row m: acc = fma(sum, scale * d, acc), then
+// acc = fma(offset, half sum, acc)
+template <bool MINS>
+inline __m512 hex_half(const __m512i w[4], __m512 s, __m512 o, const uint8_t* x, float d, const float* hs, __m512i h,
+                       __m512 acc) {
+  h = _mm512_dpbusd_epi32(h, w[0], bytes4(x));
+  h = _mm512_dpbusd_epi32(h, w[1], bytes4(x + 4));
+  h = _mm512_dpbusd_epi32(h, w[2], bytes4(x + 8));
+  h = _mm512_dpbusd_epi32(h, w[3], bytes4(x + 12));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc);
+  if constexpr (MINS) acc = _mm512_fmadd_ps(o, _mm512_set1_ps(*hs), acc);
+  return acc;
+}
+
+// lo[m] / hi[m]: panel row m against the 16 weight rows of one hex, over all blocks, per half
+// block as the quad tile makes them. 8-bit codes come plus 128, and each half block's sums start
+// from -128 times the sum of its activation codes (start: per panel row, block and half, rows
+// `stride` apart), so that they end exact as well
+template <int MR, bool MINS>
+inline void hex_rows(const uint8_t* codes, const float* factors, const uint8_t* panel, int64_t nb, __m512 lo[MR],
+                     __m512 hi[MR], const int32_t* start = nullptr, int64_t stride = 0) {
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, panel += kPanelBlock<MR>, codes += kHexCodes, factors += kHexFactors) {
+    const float* d = reinterpret_cast<const float*>(panel + MR * 32);
+    const __m512i* c = reinterpret_cast<const __m512i*>(codes);
+    __m512i w[4];
+    for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_si512(c + i);
+    __m512 s = _mm512_loadu_ps(factors), o = MINS ? _mm512_loadu_ps(factors + 32) : _mm512_setzero_ps();
+    const auto from = [&](int m, int half) {
+      return start ? _mm512_set1_epi32(start[m * stride + 2 * b + half]) : _mm512_setzero_si512();
+    };
+    for (int m = 0; m < MR; ++m)
+      lo[m] = hex_half<MINS>(w, s, o, panel + m * 32, d[m], d + MR + 8 * m, from(m, 0), lo[m]);
+    for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_si512(c + 4 + i);
+    s = _mm512_loadu_ps(factors + 16);
+    if constexpr (MINS) o = _mm512_loadu_ps(factors + 48);
+    for (int m = 0; m < MR; ++m)
+      hi[m] = hex_half<MINS>(w, s, o, panel + m * 32 + 16, d[m], d + MR + 8 * m + 4, from(m, 1), hi[m]);
+  }
+}
+
+// a hex's outputs (weight rows n..n+rows-1, rows <= 16) for MR activation rows: (lo + hi) + bias,
+// with store_quad's additions (a quad short of 4 rows adds zero before its bias)
+template <int MR>
+inline void store_hex(const __m512 lo[MR], const __m512 hi[MR], int64_t rows, int64_t m0, int64_t n,
+                      const float* bias, float* out, int64_t N) {
+  for (int m = 0; m < MR; ++m) {
+    const __m512 v = _mm512_add_ps(lo[m], hi[m]);
+    float* dst = out + (m0 + m) * N + n;
+    if (rows == 16) {
+      _mm512_storeu_ps(dst, _mm512_add_ps(v, bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps()));
+      continue;
+    }
+    alignas(64) float r[16];
+    _mm512_store_ps(r, v);
+    const int64_t whole = rows / 4 * 4;
+    for (int64_t j = 0; j < rows; ++j) {
+      const float b = bias ? bias[n + j] : 0.f;
+      dst[j] = j < whole ? r[j] + b : (r[j] + 0.f) + b;
+    }
+  }
+}
+
+template <int MR, bool MINS>
+void hex_outputs(const HexTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
+                 float* out, int64_t N, const int32_t* start) {
+  for (int64_t x = 0; x < (t.rows + 15) / 16; ++x) {
+    __m512 lo[MR], hi[MR];
+    hex_rows<MR, MINS>(t.codes.data() + x * nb * kHexCodes, t.factors.data() + x * nb * kHexFactors, panel, nb, lo,
+                       hi, start ? start + m0 * 2 * nb : nullptr, 2 * nb);
+    store_hex<MR>(lo, hi, std::min<int64_t>(16, t.rows - 16 * x), m0, n0 + 16 * x, bias, out, N);
+  }
+}
+#endif  // TIANXIA_VNNI
+
 // how many steps ahead a product of a few rows fetches (Q5_0 896 x 896, one row, weights streaming:
 // 1 step 1.53x of none, 2 steps 1.13x of 1, 4 steps the same as 2)
 constexpr int64_t kAheadSteps = 2;
@@ -469,6 +685,12 @@ void direct_rows(const Packed& w, int64_t n0, int64_t n1, const uint8_t* panels,
 // up to this many activation rows (decode steps) each quad's codes are unpacked in registers for
 // every panel; more rows widen tiles that stay in L2 while every row passes over them
 constexpr int64_t kFewRows = 2 * kTileRows;
+#ifdef TIANXIA_VNNI
+// from this many activation rows, the weight's codes are widened into hexes
+// (SmolLM2's and Qwen2.5-0.5B's weights on an AMD EPYC of the Zen 4 generation: from 6 rows
+// faster, 1.3-2.2x at 16, of the output heads the most; at 4 rows even, at 2 slower)
+constexpr int64_t kHexMinRows = 6;
+#endif
 
 template <int BITS, bool MINS, typename S>
 void product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
@@ -492,6 +714,43 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
   // activation row passes over it; a few rows: about 8 shares per thread, a quad at a time.
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
+  constexpr int64_t kTileBytes = 96 << 10;
+  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+#ifdef TIANXIA_VNNI
+  if (M >= kHexMinRows && (BITS != 8 || !has_min_code(a))) {
+    // 8-bit codes: each half block's sum starts from -128 times the sum of its activation codes
+    thread_local std::vector<int32_t> starts;
+    if constexpr (BITS == 8) {
+      starts.resize(M * 2 * nb);
+      int32_t* const to = starts.data();  // (the workers' lambda would see their own: the pointer)
+      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t h = 0; h < 2 * nb; ++h) {
+            const int8_t* x = a.q8.data() + m * K + 16 * h;
+            int32_t sum = 0;
+            for (int i = 0; i < 16; ++i) sum += x[i];
+            to[m * 2 * nb + h] = -128 * sum;
+          }
+      });
+    }
+    const int32_t* start = BITS == 8 ? starts.data() : nullptr;
+    // tiles as the register tiles' below, in multiples of 16 rows
+    const int64_t tile = std::max<int64_t>(16, ((N + least - 1) / least + 15) / 16 * 16), tiles = (N + tile - 1) / tile;
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      thread_local HexTile t;
+      for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
+        const int64_t n0 = i * tile;
+        widen_hexes<BITS, S, true>(w, n0, std::min(tile, N - n0), t);
+        for (int64_t c = 0; c < full; ++c)
+          hex_outputs<R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N, start);
+        with_rest(rest, [&](auto mr) {
+          hex_outputs<decltype(mr)::value, MINS>(t, panels + full * span, nb, R * full, n0, bias, out, N, start);
+        });
+      }
+    });
+    return;
+  }
+#endif
   if (M <= kFewRows) {
     const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -502,8 +761,6 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
     });
     return;
   }
-  constexpr int64_t kTileBytes = 96 << 10;
-  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
   const int64_t tile = std::max<int64_t>(4, ((N + least - 1) / least + 3) / 4 * 4), tiles = (N + tile - 1) / tile;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local WeightTile t;

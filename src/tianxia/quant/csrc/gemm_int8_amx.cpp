@@ -17,9 +17,10 @@
 //
 // Layout: A (activations, 16 rows x 16 bytes) is read straight from the 8-bit rows (stride K);
 // B (weights, 4 rows of 64 bytes: row r holds, for each of 16 weight rows, bytes 4r..4r+3 of the
-// half block) is widened once per tile of weight rows, which stays in L2 while every group of
-// 16 activation rows passes over it; C is 16 activation rows x 16 weight rows of int32, stored
-// and taken up by the float steps in chunks of blocks.
+// half block; widen_hexes in gemm_int8.cpp, the AVX-512 variant's layout too) is widened once per
+// tile of weight rows, which stays in L2 while every group of 16 activation rows passes over it;
+// C is 16 activation rows x 16 weight rows of int32, stored and taken up by the float steps in
+// chunks of blocks.
 //
 // Compiled like gemm_int8_avx512.cpp: the target pragma covers this file's own code only, after
 // every header, so the library still loads and runs on CPUs without AMX or AVX-512.
@@ -57,38 +58,10 @@ void int8_product_avx512(const Packed& w, const Activations& a, const float* bia
 
 namespace {
 
-// one block of 16 weight rows in tile layout: the two halves' B tiles, 4 x 64 bytes each
-constexpr int64_t kHexCodes = 512;
-// and its factors: the 16 rows' scales of the low half's group, of the high half's, then the
-// same for min - off * scale (quad_factors' values, regrouped)
-constexpr int64_t kHexFactors = 64;
 // blocks per chunk of C tiles that the tiles make while the float steps take up the chunk before
 constexpr int64_t kChunk = 2;
 // int32 per block of a chunk: 2 halves x 4 C tiles x 16 x 16
 constexpr int64_t kBlockInts = 2 * 4 * 256;
-
-// std::vector's storage at a cache line's start: the tiles' and the vector units' loads and
-// stores of 64 bytes then never straddle two lines
-template <typename T>
-struct LineAligned {
-  using value_type = T;
-  LineAligned() = default;
-  template <typename U>
-  LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const LineAligned&) const { return true; }
-  bool operator!=(const LineAligned&) const { return false; }
-};
-template <typename T>
-using Lines = std::vector<T, LineAligned<T>>;
-
-struct AmxWeights {
-  Lines<uint8_t> codes;   // [hex][block][kHexCodes]
-  Lines<float> factors;   // [hex][block][kHexFactors]
-  std::vector<float> quads;     // quad_factors() of one hex's 4 quads
-  int64_t rows = 0;
-};
 
 // palette 1: C tiles 0-3 (16 rows x 16 int32: 2 groups of activation rows by 2 of weight rows),
 // A tiles 4-5 (16 rows x 16 bytes), B tiles 6-7 (4 rows x 64 bytes); four independent C tiles
@@ -101,81 +74,6 @@ struct alignas(64) TileConfig {
 };
 constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 16, 16, 64, 64}, {16, 16, 16, 16, 16, 16, 4, 4}};
 static_assert(sizeof(TileConfig) == 64);
-
-// r[i]: row i of an 8 x 8 matrix of 32-bit units, transposed in place
-inline void transpose8x8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
-template <int BITS>
-inline __m256i block_codes(const uint8_t* row, int64_t b) {
-  if constexpr (BITS == 8) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32));
-  } else {
-    return codes32<BITS, true>(row + b * 4 * BITS);
-  }
-}
-
-// weight rows n0..n0+rows-1 in tile layout (missing rows of the last hex: zero codes and factors)
-template <int BITS, typename S>
-void widen_hexes(const Packed& w, int64_t n0, int64_t rows, AmxWeights& t) {
-  const int64_t nb = w.K / 32, hexes = (rows + 15) / 16;
-  t.rows = rows;
-  t.codes.resize(hexes * nb * kHexCodes);
-  t.factors.resize(hexes * nb * kHexFactors);
-  t.quads.resize(4 * nb * 16);
-  for (int64_t x = 0; x < hexes; ++x) {
-    const int64_t left = std::min<int64_t>(16, rows - 16 * x), first = n0 + 16 * x;
-    const uint8_t* row[16];
-    for (int j = 0; j < 16; ++j) row[j] = j < left ? w.qs + (first + j) * w.row_bytes() : nullptr;
-    uint8_t* c = t.codes.data() + x * nb * kHexCodes;
-    for (int64_t b = 0; b < nb; ++b) {
-      // 16 rows x 8 units of 4 codes, transposed: unit q of every row is B row q % 4 of half q / 4
-      __m256i lo[8], hi[8];
-      for (int j = 0; j < 8; ++j) {
-        lo[j] = row[j] ? block_codes<BITS>(row[j], b) : _mm256_setzero_si256();
-        hi[j] = row[8 + j] ? block_codes<BITS>(row[8 + j], b) : _mm256_setzero_si256();
-      }
-      transpose8x8(lo);
-      transpose8x8(hi);
-      __m256i* dst = reinterpret_cast<__m256i*>(c + b * kHexCodes);
-      for (int q = 0; q < 8; ++q) {
-        _mm256_storeu_si256(dst + 2 * q, lo[q]);
-        _mm256_storeu_si256(dst + 2 * q + 1, hi[q]);
-      }
-    }
-    // the factors as the register tile makes them, per quad: [scales lo | hi | offsets lo | hi]
-    // of 4 rows per block, regrouped (a 4 x 4 transpose of 128-bit lanes) into 16 rows each
-    for (int q = 0; q < 4; ++q)
-      quad_factors<BITS, S>(w, std::min(first + 4 * q, w.N - 1), std::clamp<int64_t>(left - 4 * q, 0, 4),
-                            t.quads.data() + q * nb * 16);
-    float* f = t.factors.data() + x * nb * kHexFactors;
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 v[4];
-      for (int q = 0; q < 4; ++q) v[q] = _mm512_loadu_ps(t.quads.data() + q * nb * 16 + b * 16);
-      const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
-      const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
-      _mm512_storeu_ps(f + b * kHexFactors, _mm512_shuffle_f32x4(t0, t2, 0x88));
-      _mm512_storeu_ps(f + b * kHexFactors + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
-      _mm512_storeu_ps(f + b * kHexFactors + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
-      _mm512_storeu_ps(f + b * kHexFactors + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
-    }
-  }
-}
 
 // The activation rows by groups of 16 as the tiles and the float steps read them: each group's
 // 8-bit rows (the last one padded with zero rows to the 16 an A tile loads), and per group and
@@ -276,7 +174,7 @@ inline void tile_step(const int8_t* const q8[2], const uint8_t* const w[2], int6
 // (lo + hi) + bias into out for groups g0.. (NG) by hexes x0.. (NX) of the tile t, as
 // store_quad() makes it: the weight's last, short quad adds 0 and then the bias
 template <int NG, int NX>
-void store_pair(const AmxWeights& t, const Groups& a, int64_t g0, int64_t x0, int64_t n0, const float* bias, float* out,
+void store_pair(const HexTile& t, const Groups& a, int64_t g0, int64_t x0, int64_t n0, const float* bias, float* out,
                 int64_t N, const float* acc) {
   const int64_t full_quads = N / 4 * 4;
   for (int x = 0; x < NX; ++x) {
@@ -304,7 +202,7 @@ void store_pair(const AmxWeights& t, const Groups& a, int64_t g0, int64_t x0, in
 // while the vector units do. (Issued as a whole before them, the float steps waited in the
 // reorder buffer behind the tiles' long latencies.)
 template <int BITS, bool MINS, int NG, int NX>
-void pairs_outputs(const AmxWeights& t, const Groups& a, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+void pairs_outputs(const HexTile& t, const Groups& a, const std::vector<std::pair<int64_t, int64_t>>& pairs,
                    int64_t n0, const float* bias, float* out, int64_t N, int32_t* ibuf, float* acc) {
   const int64_t K = a.K, nb = K / 32, chunks = (nb + kChunk - 1) / kChunk, items = (int64_t)pairs.size() * chunks;
   struct Job {
@@ -354,7 +252,7 @@ void pairs_outputs(const AmxWeights& t, const Groups& a, const std::vector<std::
 // every group of activation rows against the tile t (weight rows n0..), by pairs of groups and
 // pairs of hexes (four C tiles), the odd group or hex left over by pairs of two C tiles or one
 template <int BITS, bool MINS>
-void tile_outputs_amx(const AmxWeights& t, const Groups& a, int64_t n0, const float* bias, float* out, int64_t N,
+void tile_outputs_amx(const HexTile& t, const Groups& a, int64_t n0, const float* bias, float* out, int64_t N,
                       int32_t* ibuf, float* acc) {
   const int64_t groups = (a.M + 15) / 16, hexes = (t.rows + 15) / 16;
   thread_local std::vector<std::pair<int64_t, int64_t>> pairs[4];  // by shape: 2x2, 2x1, 1x2, 1x1
@@ -365,22 +263,6 @@ void tile_outputs_amx(const AmxWeights& t, const Groups& a, int64_t n0, const fl
   if (!pairs[1].empty()) pairs_outputs<BITS, MINS, 2, 1>(t, a, pairs[1], n0, bias, out, N, ibuf, acc);
   if (!pairs[2].empty()) pairs_outputs<BITS, MINS, 1, 2>(t, a, pairs[2], n0, bias, out, N, ibuf, acc);
   if (!pairs[3].empty()) pairs_outputs<BITS, MINS, 1, 1>(t, a, pairs[3], n0, bias, out, N, ibuf, acc);
-}
-
-// whether any activation code is -128: the other variants' 8-bit products (ggml's sign trick)
-// take -(-128) as -128 there, which the tiles' exact products would not match. Only blocks whose
-// scale is not finite or too small to invert round to -128 (infinities, NaN, values below about
-// 4e-37); their products go to AVX-512 instead.
-bool has_min_code(const Activations& a) {
-  const int8_t* p = a.q8.data();
-  const int64_t n = a.M * a.K;
-  const __m512i lowest = _mm512_set1_epi8(-128);
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64)
-    if (_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(p + i), lowest)) return true;
-  for (; i < n; ++i)
-    if (p[i] == -128) return true;
-  return false;
 }
 
 template <int BITS, bool MINS, typename S>
@@ -398,7 +280,7 @@ void amx_product_as(const Packed& w, const Activations& a, const float* bias, fl
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     _tile_loadconfig(&kTileConfig);
-    thread_local AmxWeights t;
+    thread_local HexTile t;
     thread_local Lines<int32_t> ibuf(2 * kChunk * kBlockInts);
     thread_local Lines<float> acc(4 * 16 * 32);
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
