@@ -1,5 +1,5 @@
 // The integer path again, compiled for AVX-512 F/BW/VL + VNNI (vpdpbusd): the same register tiles
-// and operation sequences as gemm_int8.cpp (whose source this is), and from 6 activation rows its
+// and operation sequences as gemm_int8.cpp (whose source this is), and from 17 activation rows its
 // hexes (16 weight rows a 512-bit vector), whose float steps per output are the register tile's,
 // so every output is bit for bit the AVX2 one; int8_product() calls it where the CPU has these
 // sets (isa.cpp).
