@@ -569,27 +569,25 @@ inline void hex_rows(const uint8_t* codes, const float* factors, const uint8_t* 
   }
 }
 
-// a hex's outputs (weight rows n..n+rows-1, rows <= 16) for MR activation rows: (lo + hi) + bias,
-// with store_quad's additions (a quad short of 4 rows adds zero before its bias)
-template <int MR>
-inline void store_hex(const __m512 lo[MR], const __m512 hi[MR], int64_t rows, int64_t m0, int64_t n,
-                      const float* bias, float* out, int64_t N) {
-  for (int m = 0; m < MR; ++m) {
-    const __m512 v = _mm512_add_ps(lo[m], hi[m]);
-    float* dst = out + (m0 + m) * N + n;
-    if (rows == 16) {
-      _mm512_storeu_ps(dst, _mm512_add_ps(v, bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps()));
-      continue;
-    }
-    alignas(64) float r[16];
-    _mm512_store_ps(r, v);
-    const int64_t whole = rows / 4 * 4;
-    for (int64_t j = 0; j < rows; ++j) {
-      const float b = bias ? bias[n + j] : 0.f;
-      dst[j] = j < whole ? r[j] + b : (r[j] + 0.f) + b;
-    }
+// (lo + hi) + bias into the outputs of weight rows n..n+cols-1 (one hex, cols <= 16), as
+// store_quad() makes them: the weight's last quad, where short of 4 rows, adds 0 and then the bias
+struct HexStore {
+  __mmask16 valid, short_quad;
+  __m512 whole_bias, short_bias;
+  HexStore(int64_t n, int64_t cols, int64_t N, const float* bias) {
+    valid = (__mmask16)((1u << cols) - 1);
+    const int64_t whole_cols = std::clamp<int64_t>(N / 4 * 4 - n, 0, 16);
+    const __mmask16 whole = (__mmask16)(valid & ((1u << whole_cols) - 1));
+    short_quad = valid & ~whole;
+    whole_bias = bias ? _mm512_maskz_loadu_ps(whole, bias + n) : _mm512_setzero_ps();
+    short_bias = bias ? _mm512_maskz_loadu_ps(short_quad, bias + n) : _mm512_setzero_ps();
   }
-}
+  inline void at(__m512 lo_plus_hi, float* dst) const {
+    __m512 v = _mm512_add_ps(lo_plus_hi, whole_bias);
+    if (short_quad) v = _mm512_mask_add_ps(v, short_quad, v, short_bias);
+    _mm512_mask_storeu_ps(dst, valid, v);
+  }
+};
 
 template <int MR, bool MINS>
 void hex_outputs(const HexTile& t, const uint8_t* panel, int64_t nb, int64_t m0, int64_t n0, const float* bias,
@@ -598,7 +596,9 @@ void hex_outputs(const HexTile& t, const uint8_t* panel, int64_t nb, int64_t m0,
     __m512 lo[MR], hi[MR];
     hex_rows<MR, MINS>(t.codes.data() + x * nb * kHexCodes, t.factors.data() + x * nb * kHexFactors, panel, nb, lo,
                        hi, start ? start + m0 * 2 * nb : nullptr, 2 * nb);
-    store_hex<MR>(lo, hi, std::min<int64_t>(16, t.rows - 16 * x), m0, n0 + 16 * x, bias, out, N);
+    const int64_t n = n0 + 16 * x;
+    const HexStore store(n, std::min<int64_t>(16, t.rows - 16 * x), N, bias);
+    for (int m = 0; m < MR; ++m) store.at(_mm512_add_ps(lo[m], hi[m]), out + (m0 + m) * N + n);
   }
 }
 #endif  // TIANXIA_VNNI
@@ -682,6 +682,15 @@ void direct_rows(const Packed& w, int64_t n0, int64_t n1, const uint8_t* panels,
   });
 }
 
+// Weight rows per tile of a product of many rows, a multiple of `multiple`: about kTileBytes of
+// codes, which stays in L2 while every activation row passes over it, and at least 8 tiles per
+// thread, taken in turn by whichever thread is free
+inline int64_t tile_rows(int64_t N, int64_t K, int64_t threads, int64_t multiple) {
+  constexpr int64_t kTileBytes = 96 << 10;
+  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
+  return std::max<int64_t>(multiple, ((N + least - 1) / least + multiple - 1) / multiple * multiple);
+}
+
 // up to this many activation rows (decode steps) each quad's codes are unpacked in registers for
 // every panel; more rows widen tiles that stay in L2 while every row passes over them
 constexpr int64_t kFewRows = 2 * kTileRows;
@@ -704,12 +713,9 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
   });
   // Shares of weight rows go in turn to whichever thread is free, so a core slowed down by another
   // process takes fewer and neither waits long for the other at the end. Many rows: a share is a
-  // tile of about kTileBytes of codes (at least 8 per thread), which stays in L2 while every
-  // activation row passes over it; a few rows: about 8 shares per thread, a quad at a time.
+  // tile (tile_rows); a few rows: about 8 shares per thread, a quad at a time.
   const int64_t threads = at::get_num_threads();
   std::atomic<int64_t> next{0};
-  constexpr int64_t kTileBytes = 96 << 10;
-  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
   if (M <= kFewRows) {
     const int64_t share = std::max<int64_t>(1, N / (8 * threads * 16)) * 16, shares = (N + share - 1) / share;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -742,8 +748,7 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
       });
     }
     const int32_t* start = BITS == 8 ? starts.data() : nullptr;
-    // tiles as below, in multiples of 16 rows
-    const int64_t tile = std::max<int64_t>(16, ((N + least - 1) / least + 15) / 16 * 16), tiles = (N + tile - 1) / tile;
+    const int64_t tile = tile_rows(N, K, threads, 16), tiles = (N + tile - 1) / tile;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       thread_local HexTile t;
       for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
@@ -759,7 +764,7 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
     return;
   }
 #endif
-  const int64_t tile = std::max<int64_t>(4, ((N + least - 1) / least + 3) / 4 * 4), tiles = (N + tile - 1) / tile;
+  const int64_t tile = tile_rows(N, K, threads, 4), tiles = (N + tile - 1) / tile;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local WeightTile t;
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {

@@ -171,27 +171,18 @@ inline void tile_step(const int8_t* const q8[2], const uint8_t* const w[2], int6
   if constexpr (NG == 2 && NX == 2) _tile_stored(3, c + 768, 64);
 }
 
-// (lo + hi) + bias into out for groups g0.. (NG) by hexes x0.. (NX) of the tile t, as
-// store_quad() makes it: the weight's last, short quad adds 0 and then the bias
+// (lo + hi) + bias into out for groups g0.. (NG) by hexes x0.. (NX) of the tile t (HexStore)
 template <int NG, int NX>
 void store_pair(const HexTile& t, const Groups& a, int64_t g0, int64_t x0, int64_t n0, const float* bias, float* out,
                 int64_t N, const float* acc) {
-  const int64_t full_quads = N / 4 * 4;
   for (int x = 0; x < NX; ++x) {
-    const int64_t n = n0 + 16 * (x0 + x), cols = std::min<int64_t>(16, t.rows - 16 * (x0 + x));
-    const __mmask16 valid = (__mmask16)((1u << cols) - 1);
-    const int64_t whole_cols = std::clamp<int64_t>(full_quads - n, 0, 16);
-    const __mmask16 whole = (__mmask16)(valid & ((1u << whole_cols) - 1)), short_quad = valid & ~whole;
-    const __m512 bw = bias ? _mm512_maskz_loadu_ps(whole, bias + n) : _mm512_setzero_ps();
-    const __m512 bs = bias ? _mm512_maskz_loadu_ps(short_quad, bias + n) : _mm512_setzero_ps();
+    const int64_t n = n0 + 16 * (x0 + x);
+    const HexStore store(n, std::min<int64_t>(16, t.rows - 16 * (x0 + x)), N, bias);
     for (int g = 0; g < NG; ++g) {
       const int64_t m0 = 16 * (g0 + g), rows = std::min<int64_t>(16, a.M - m0);
       const float* ax = acc + (2 * g + x) * 16 * 32;
-      for (int64_t m = 0; m < rows; ++m) {
-        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(ax + m * 32), _mm512_loadu_ps(ax + m * 32 + 16)), bw);
-        if (short_quad) v = _mm512_mask_add_ps(v, short_quad, v, bs);
-        _mm512_mask_storeu_ps(out + (m0 + m) * N + n, valid, v);
-      }
+      for (int64_t m = 0; m < rows; ++m)
+        store.at(_mm512_add_ps(_mm512_loadu_ps(ax + m * 32), _mm512_loadu_ps(ax + m * 32 + 16)), out + (m0 + m) * N + n);
     }
   }
 }
@@ -271,12 +262,9 @@ void amx_product_as(const Packed& w, const Activations& a, const float* bias, fl
   thread_local Groups mine;  // (the workers' lambda would see their own: use the reference)
   const Groups& groups = mine;
   mine.prepare(a);
-  // shares of weight rows as in product_as: tiles of about kTileBytes of codes (at least 8 per
-  // thread), in multiples of 16 rows, taken in turn by whichever thread is free
+  // shares of weight rows as in product_as: tiles in multiples of 16 rows
   const int64_t threads = at::get_num_threads();
-  constexpr int64_t kTileBytes = 96 << 10;
-  const int64_t least = std::max<int64_t>(8 * threads, (N * K + kTileBytes - 1) / kTileBytes);
-  const int64_t tile = std::max<int64_t>(16, ((N + least - 1) / least + 15) / 16 * 16), tiles = (N + tile - 1) / tile;
+  const int64_t tile = tile_rows(N, K, threads, 16), tiles = (N + tile - 1) / tile;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     _tile_loadconfig(&kTileConfig);
