@@ -15,8 +15,10 @@ the offline decode step: one script, one machine, one run.
   requests, of the server's first process and of its children: the API process and the engine
   core with ``process``; with ``thread`` the one process holds both (the children's share is 0);
   with ``api2`` the first process only supervises, and both API processes count as children;
-- ``--modes`` picks the served setups: ``thread``, ``process`` and ``api2`` (``--engine-core
-  process --api-server-count 2``: two API processes in front of the one core).
+- ``--modes`` picks the served setups: ``thread``, ``process``, ``api2`` (``--engine-core
+  process --api-server-count 2``: two API processes in front of the one core) and ``spin``
+  (``process`` with libgomp's own wait, ``GOMP_SPINCOUNT=300000``, where the core's default is
+  1,000 spins).
 
     python benchmarks/engine_core_cpu.py --threads 2 --out benchmarks/results/engine_core/cpu.json
 
@@ -143,11 +145,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--modes", default="thread,process", help="of thread, process, api2")
+    ap.add_argument("--modes", default="thread,process", help="of thread, process, api2, spin")
     args = ap.parse_args()
     modes = args.modes.split(",")
     flags = {"thread": ["--engine-core", "thread"], "process": ["--engine-core", "process"],
-             "api2": ["--engine-core", "process", "--api-server-count", "2"]}
+             "api2": ["--engine-core", "process", "--api-server-count", "2"],
+             "spin": ["--engine-core", "process"]}
+    envs = {"spin": {"GOMP_SPINCOUNT": "300000"}}
     def offline_step_ms() -> float:
         out = subprocess.run([sys.executable, "-c", OFFLINE, args.model, str(args.threads)], check=True,
                              capture_output=True, text=True, cwd=REPO).stdout
@@ -167,7 +171,7 @@ def main() -> None:
         srv = ServerProcess([args.model, "--threads", str(args.threads), *flags[mode],
                              "--max-model-len", "512", "--max-num-seqs", "16",
                              "--kv-cache-memory", "256MiB", "--disable-log-stats",
-                             "--disable-access-log"])
+                             "--disable-access-log"], env=envs.get(mode))
         with srv:
             result = asyncio.run(served(srv.url, srv.proc.pid, 64))
             result["idle_cpu_share"] = idle_cpu(srv.proc.pid)

@@ -65,6 +65,11 @@ def sigkill_server(srv: ServerProcess, pids: list[int], timeout: float) -> None:
     wait_until(lambda: not any(alive(p) for p in pids), timeout, "no orphan left")
 
 
+def environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(v.decode().partition("=")[::2] for v in f.read().split(b"\0") if v)
+
+
 def greedy_texts(url: str, max_tokens: int = 12) -> list[str]:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     out: list[str] = [""] * len(PROMPTS)
@@ -97,6 +102,10 @@ def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts, sched
         (pid,) = core_pids(srv)
         assert alive(pid) and pid != srv.proc.pid
         assert ("async scheduling:" in srv.log()) == bool(scheduling)
+        # the core's OpenMP threads wait briefly between steps (the API process needs those
+        # CPUs then); the API process keeps the environment it was given
+        assert environment(pid).get("GOMP_SPINCOUNT") == "1000"
+        assert "GOMP_SPINCOUNT" not in environment(srv.proc.pid)
         assert greedy_texts(srv.url) == offline_texts
 
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
@@ -189,9 +198,13 @@ def test_sigkilled_server_takes_its_core_along():
 
 
 def test_data_parallel_two_cores(offline_texts):
-    srv = ServerProcess([*ARGS, "--data-parallel-size", "2", "--threads", "1"]).start()
+    srv = ServerProcess([*ARGS, "--data-parallel-size", "2", "--threads", "1"],
+                        env={"OMP_WAIT_POLICY": "active"}).start()
     try:
         assert len(core_pids(srv)) == 2
+        # a wait the user chose is the cores' own
+        assert all("GOMP_SPINCOUNT" not in environment(pid) and
+                   environment(pid)["OMP_WAIT_POLICY"] == "active" for pid in core_pids(srv))
         assert greedy_texts(srv.url) == offline_texts
         text = httpx.get(srv.url + "/metrics").text
         routed = [metric(text, "tianxia:engine_routed_requests_total", model_name=MODEL,
