@@ -166,3 +166,15 @@ def test_api_server_count_flags_are_one_line_errors():
                            capture_output=True, text=True, timeout=120, check=False)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 1 and len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_default_api_server_count():
+    from tianxia.server.api_servers import default_api_server_count
+
+    # a CPU's cores compute the steps; a GPU gets one API process per core, at least 2, while
+    # there are 4 CPUs for each
+    assert default_api_server_count("cpu", 64) == 1
+    assert default_api_server_count("cuda", 16) == 2
+    assert default_api_server_count("cuda", 7) == 1
+    assert default_api_server_count("cuda", 16, data_parallel_size=4) == 4
+    assert default_api_server_count("cuda", 12, data_parallel_size=4) == 1

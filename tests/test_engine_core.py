@@ -106,6 +106,8 @@ def test_core_process_serves_frees_on_disconnect_and_drains(offline_texts, sched
         # CPUs then); the API process keeps the environment it was given
         assert environment(pid).get("GOMP_SPINCOUNT") == "1000"
         assert "GOMP_SPINCOUNT" not in environment(srv.proc.pid)
+        # on a CPU the server is its one API process by default (no supervisor)
+        assert not re.search(r"API server \d+: process", srv.log())
         assert greedy_texts(srv.url) == offline_texts
 
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")

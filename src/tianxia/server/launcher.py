@@ -226,9 +226,10 @@ def add_serve_args(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument(
         "--api-server-count",
         type=int,
-        default=1,
+        default=None,
         help="API server processes sharing the port in front of the same engine core(s): HTTP, "
-        "tokenization, detokenization and streaming spread over them (default: %(default)s)",
+        "tokenization, detokenization and streaming spread over them (default: on a GPU one per "
+        "engine core and at least 2, where there are 4 CPUs for each; else 1)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -645,10 +646,16 @@ def run_server(args: argparse.Namespace, default_model: str, *, attach=None, soc
     import uvicorn
 
     from tianxia.server.api import build_app
-    from tianxia.server.api_servers import check_api_server_args, run_api_servers
+    from tianxia.server.api_servers import (
+        check_api_server_args,
+        resolve_api_server_count,
+        run_api_servers,
+    )
     from tianxia.server.serving_base import ServerState
 
     models = _server_models(args, default_model)
+    if attach is None:
+        resolve_api_server_count(args, models is not None)
     check_api_server_args(args, models is not None)
     api_key = (
         args.api_key if args.api_key is not None else os.environ.get("TIANXIA_API_KEY") or None
