@@ -53,9 +53,10 @@ _SAME_STATS = ("kv_cache_bytes_per_token", "max_lora")
 # libgomp's default wait after a parallel region is 300,000 spins (milliseconds): a core's compute
 # threads spin through its Python work between steps, on the CPUs its API process needs right then
 # to stream the step's tokens. 1,000 spins still bridge the microseconds between a step's kernels.
-# Measured on 2 cores (SmolLM2, 2 threads): the core's CPU per streamed token 16.6 -> 13.8 ms,
-# served TPOT at concurrency 1 7.35 -> 6.74 ms; offline steps unchanged. The user's own
-# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# Measured on 2 cores (SmolLM2, 2 threads, 8 rounds each against its offline step): 0.7-4.2 ms
+# less of the core's CPU a streamed token, served TPOT at concurrency 1 at 1.09x the offline
+# step in the median against 1.11x; offline steps unchanged. The user's own OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT wins.
 _CORE_OMP_WAIT = {"GOMP_SPINCOUNT": "1000"}
 
 
