@@ -57,39 +57,44 @@ def resolve_api_server_count(args: argparse.Namespace, several_models: bool) -> 
     if args.api_server_count is not None:
         return
     args.api_server_count = 1
-    if (several_models or args.engine_core == "thread" or args.tensor_parallel_size > 1
-            or args.allow_runtime_lora_updating):
+    if _one_api_server_only(args, several_models) is not None:
         return
+    from tianxia.doctor import usable_cores
     from tianxia.engine.llm_engine import resolve_device
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     args.api_server_count = default_api_server_count(
-        resolve_device(args.device).type, cpus or 1, args.data_parallel_size)
+        resolve_device(args.device).type, usable_cores(), args.data_parallel_size)
     if args.api_server_count > 1:
         logger.info("%d API server processes (--api-server-count)", args.api_server_count)
 
 
-def check_api_server_args(args: argparse.Namespace, several_models: bool) -> None:
-    """What ``--api-server-count`` combines with: one model in engine core processes, its LoRA
-    adapters given at start (every API process reads them from the cores' start-up facts)."""
-    if args.api_server_count < 1:
-        raise ValueError("--api-server-count must be at least 1")
-    if args.api_server_count == 1:
-        return
+def _one_api_server_only(args: argparse.Namespace, several_models: bool) -> str | None:
+    """Why this setup takes a single API process (the error for ``--api-server-count`` > 1), or
+    None: several API processes serve one model in engine core processes, its LoRA adapters given
+    at start (every API process reads them from the cores' start-up facts)."""
     if several_models:
-        raise ValueError("--api-server-count serves one model; it does not combine with --model "
-                         "NAME=... or --models-dir")
+        return ("--api-server-count serves one model; it does not combine with --model "
+                "NAME=... or --models-dir")
     if args.engine_core == "thread":
-        raise ValueError("--api-server-count needs --engine-core process")
+        return "--api-server-count needs --engine-core process"
     if args.tensor_parallel_size > 1:
-        raise ValueError("--api-server-count does not combine with --tensor-parallel-size (its "
-                         "engine runs on a thread of the server)")
+        return ("--api-server-count does not combine with --tensor-parallel-size (its engine "
+                "runs on a thread of the server)")
     if args.allow_runtime_lora_updating:
         # as vLLM: each API process keeps its own list of the adapters served, and a load or
         # unload reaches one of them only
-        raise ValueError("--allow-runtime-lora-updating does not combine with --api-server-count "
-                         "(an adapter loaded at run time would be known to one API process "
-                         "only); give the adapters at start with --lora-modules")
+        return ("--allow-runtime-lora-updating does not combine with --api-server-count (an "
+                "adapter loaded at run time would be known to one API process only); give the "
+                "adapters at start with --lora-modules")
+    return None
+
+
+def check_api_server_args(args: argparse.Namespace, several_models: bool) -> None:
+    """What ``--api-server-count`` combines with (:func:`_one_api_server_only`)."""
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be at least 1")
+    if args.api_server_count > 1 and (reason := _one_api_server_only(args, several_models)):
+        raise ValueError(reason)
 
 
 def _listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
