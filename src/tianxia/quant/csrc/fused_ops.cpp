@@ -233,12 +233,14 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
   first.push_back(B);
   // (group, KV head) pairs from an atomic counter, a few at a time: the queries of a prompt cost
   // in proportion to their positions, and a static split would give one thread the long ones.
-  // A take is whole groups, all their KV heads: a block of the cache holds every head's rows of
-  // its tokens side by side, and the lines the first head brings in then serve the others from
-  // this core's cache (a decode step of 16 SmolLM2 sequences of 228 tokens whose caches stream
-  // from memory: 344-365 against 383-417 us a layer, in three alternating runs)
+  // Where there are groups enough for every thread, a take is whole groups, all their KV heads:
+  // a block of the cache holds every head's rows of its tokens side by side, and the lines the
+  // first head brings in then serve the others from this core's cache (a decode step of 16
+  // SmolLM2 sequences of 228 tokens whose caches stream from memory: 344-365 against 383-417 us
+  // a layer, in three alternating runs). A few groups (a single decode) share out their heads.
   const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(1, items / (16 * threads) / Hk) * Hk;
+  const int64_t chunk = groups >= 4 * threads ? std::max<int64_t>(1, groups / (16 * threads)) * Hk
+                                              : std::max<int64_t>(1, items / (16 * threads));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
