@@ -262,11 +262,11 @@ void paged_decode_rows(const float* q, int64_t sq, float* out, int64_t so, const
         // the rows of the paged cache, in token order, a block at a time: a division per token
         // took 4-8% of a decode step's attention (16 SmolLM2 sequences of 228 tokens, in cache)
         for (int64_t t = start; t < len;) {
-          const int64_t b = t / bs, end = std::min(len, (b + 1) * bs);
-          const int64_t first = (bt[b] * bs * Hk + hk) * stride - (b * bs) * Hk * stride;
+          // token t of block b is row (bt[b] * bs + t - b * bs) * Hk + hk
+          const int64_t b = t / bs, end = std::min(len, (b + 1) * bs), at = ((bt[b] - b) * bs * Hk + hk) * stride;
           for (; t < end; ++t) {
-            k[t - start] = k_cache + first + t * Hk * stride;
-            v[t - start] = v_cache + first + t * Hk * stride;
+            k[t - start] = k_cache + at + t * Hk * stride;
+            v[t - start] = v_cache + at + t * Hk * stride;
           }
         }
         attend(q + b0 * sq + hk * rep * D, sq, out + b0 * so + hk * rep * D, so, n.data(), G, k.data(), v.data(), rep,
