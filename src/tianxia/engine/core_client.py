@@ -26,8 +26,8 @@ import pickle
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -127,7 +127,9 @@ class EngineCores:
                     error = RuntimeError(message.text)
                 raise error
             if not isinstance(message, msgs.Ready):
-                raise RuntimeError(f"an engine core said {type(message).__name__} before Ready")
+                # a broken handshake between our own processes, not a caller's wrong argument
+                raise RuntimeError(  # noqa: TRY004
+                    f"an engine core said {type(message).__name__} before Ready")
             facts = facts or message.facts
         return facts
 
