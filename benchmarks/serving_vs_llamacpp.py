@@ -4,7 +4,8 @@
 For each engine in turn (never both at once: on a small machine they would fight for the cores):
 start its HTTP server on a free local port, run the same random workload (default 128 prompt
 tokens / 64 output tokens, exact lengths via ignore_eos) at each concurrency (default 1, 4, 16)
-with ``tianxia bench``'s sweep, stop the server. Then write the side-by-side table with ratios.
+with ``tianxia bench``'s sweep (greedy unless ``--temperature``/``--top-p`` are given), stop the
+server. Then write the side-by-side table with ratios.
 
     benchmarks/build_llama_server.sh                       # once, builds /work/llama.cpp-build
     python benchmarks/serving_vs_llamacpp.py               # -> benchmarks/results/serving/<date>/
@@ -105,6 +106,10 @@ def main() -> int:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-tianxia", action="store_true")
     ap.add_argument("--tianxia-args", default="", help="extra args for tianxia serve")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature sent with every request (0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="top_p sent with every request (default: not sent, the server's own)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every engine this many times, alternating which goes first; "
                          "each point reports the best round (default: %(default)s)")
@@ -143,7 +148,9 @@ def main() -> int:
     served_name = args.model
 
     def sweep(label: str, base: str) -> dict:
-        client = ClientConfig(base_url=base, model=served_name, endpoint="completions", seed=0)
+        client = ClientConfig(base_url=base, model=served_name, endpoint="completions", seed=0,
+                              temperature=args.temperature,
+                              extra_body={} if args.top_p is None else {"top_p": args.top_p})
 
         def on_point(pt):
             s = pt["summary"]
@@ -172,6 +179,7 @@ def main() -> int:
             out / "tianxia"))
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "host": host_info(),
             "model": str(gguf), "threads": args.threads, "rounds": args.rounds,
+            "temperature": args.temperature, "top_p": args.top_p,
             "load_before": loadavg(), "load_per_run": []}
     if not args.skip_llama:
         meta["llama_server"] = llama_version(args.llama_server)
@@ -196,8 +204,10 @@ def main() -> int:
         save_json(r, out / f"{r['label'].replace(' ', '').replace('.', '')}-best.json")
     meta["load_after"] = loadavg()
 
+    sampling = ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+                + ("" if args.top_p is None else f", top_p {args.top_p}"))
     md = [(f"Model `{gguf.name}`, {args.input_len} prompt / {args.output_len} output tokens "
-           f"(random, exact lengths), {args.threads} threads each, one engine at a time, "
+           f"(random, exact lengths), {sampling}, {args.threads} threads each, one engine at a time, "
            f"{args.rounds} rounds in ABBA order, best round per point. "
            f"{meta['host']['cpu']}, {meta['host']['cores']} cores. {meta['date']}. "
            f"Load average before/after: {meta['load_before']} / {meta['load_after']}.")]
