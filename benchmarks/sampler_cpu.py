@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """The sampler's cost per decode step on real logits, against a full sort and a noise race.
 
-    python benchmarks/sampler_cpu.py [--model PATH.gguf] [--rows 16] [--threads 2]
+    python benchmarks/sampler_cpu.py [--model PATH.gguf] [--rows 16] [--threads 2] [--random-prompts]
 
-Greedy decoding of 16 prompts with the model records the logits of each step (real, peaked
-distributions, not random ones). Each sampling setting then draws a token for every row of
-every step, alternating calls between:
+Greedy decoding of 16 prompts with the model records the logits of each step: real, peaked
+distributions of text prompts, or with ``--random-prompts`` the flat ones that prompts of 128
+random token ids give (the serving benchmarks' workload). Each sampling setting then draws a
+token for every row of every step, alternating calls between:
 
-- tianxia's ``Sampler`` (top-k / top-p among the largest logits found by ``topk``, one uniform
-  number per row for an inverse-transform draw), and
+- tianxia's ``Sampler`` (top-k / top-p among the largest logits found by ``topk``, a wider
+  nucleus by its floor, the race run over the candidates where they hold the kept tokens), and
 - the peer: the same order of operations with a full descending sort of every row for top-k /
   top-p and a race of exponential noises over the whole vocabulary (``argmax(p / q)``), as
   vLLM's torch fallback samples.
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16, help="sequences per decode step")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--random-prompts", action="store_true",
+                    help="prompts of 128 random token ids instead of text")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -94,7 +97,13 @@ def main() -> None:
         return out
 
     model.compute_logits = recorded
-    llm.generate(PROMPTS[: args.rows], SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True),
+    prompts: list = PROMPTS[: args.rows]
+    if args.random_prompts:
+        gen = torch.Generator().manual_seed(0)
+        vocab = llm.get_tokenizer().vocab_size
+        prompts = [{"prompt_token_ids": torch.randint(vocab, (128,), generator=gen).tolist()}
+                   for _ in range(args.rows)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True),
                  use_tqdm=False)
     steps = [s for s in steps if s.shape[0] == args.rows]
     print(f"{len(steps)} steps of {args.rows} rows x {steps[0].shape[1]} logits, {torch.get_num_threads()} threads")

@@ -143,10 +143,11 @@ def test_unseeded_requests_vary(smollm2_llm):
 # --- the sampled distribution -------------------------------------------------------------------------
 
 def test_truncation_among_the_largest_logits_equals_a_full_sort():
-    # nuclei of top-p 0.95 that end inside the first candidates, inside the wider ones, and past
-    # both; rows with top-k, with both, and with neither, in one batch over a shuffled vocabulary
+    # nuclei of top-p 0.95 that end inside the first candidates and past them (found by the
+    # bins of nucleus_floor: from a few hundred to a quarter of the vocabulary); rows with top-k, with
+    # both, and with neither, in one batch over a shuffled vocabulary
     vocab, top_p = 49152, 0.95
-    widths = [10, (TOP_P_CANDIDATES[0] + TOP_P_CANDIDATES[1]) // 2, TOP_P_CANDIDATES[1] + 2000]
+    widths = [10, TOP_P_CANDIDATES[0] + 1, 2500, 6096, 12000]
     rows, top_k, p = [], [], []
     for n in widths:  # probabilities r^i with the mass before token n - 1/2 exactly 1 - (1 - p)
         r = (1 - top_p) ** (1 / (n - 0.5))
@@ -170,8 +171,76 @@ def test_truncation_among_the_largest_logits_equals_a_full_sort():
         kept = order[:k][(probs.cumsum(0) - probs) < p[i]]
         assert torch.equal((got[i] > float("-inf")).nonzero().flatten(), kept.sort().values), i
         assert torch.equal(got[i, kept], logits[i, kept])
-    assert [int((got[i] > float("-inf")).sum()) for i in range(3)] == widths
+    assert [int((got[i] > float("-inf")).sum()) for i in range(len(widths))] == widths
 
+
+
+def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test, rare categories merged so each expects at least 5."""
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2), torch.tensor(chi2 / 2)))
+
+
+def _unseeded_batch(rows: int, temperature: float, top_k: int, top_p: float, min_p: float) -> SamplingBatch:
+    def full(v, dtype):
+        return torch.full((rows,), v, dtype=dtype)
+
+    return SamplingBatch(
+        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int64),
+        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
+        presence=full(0.0, torch.float32), frequency=full(0.0, torch.float32),
+        repetition=full(1.0, torch.float32), output_ids=None, prompt_ids=None,
+        generators=[None] * rows, banned=[[] for _ in range(rows)], allowed=[None] * rows,
+        bias=[None] * rows, num_logprobs=[None] * rows, grammars=[None] * rows, all_greedy=False,
+        any_top_k=top_k > 0, any_top_p=top_p < 1, any_min_p=min_p > 0, seeds=[None] * rows,
+        steps=[0] * rows,
+    )
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # every token kept: the draw splits between the largest logits and the rest
+    {"top_p": 0.5},  # a nucleus among the largest logits
+    {"top_p": 0.97},  # a nucleus wider than them, found by its floor
+    {"top_k": 300, "top_p": 0.99},
+    {"min_p": 0.002, "temperature": 0.9},  # most tokens above the floor
+    {"min_p": 0.05},  # every token above the floor among the first candidates
+])
+def test_unseeded_draws_match_the_truncated_softmax(kwargs):
+    # a row with a peak and a long flat tail, whose largest TOP_P_CANDIDATES[0] logits hold only
+    # part of the mass; many copies of it in one batch, sampled from the shared generator
+    vocab, rows = 8192, 4096
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.cat([torch.linspace(4.0, 0.5, 64), torch.randn(vocab - 64, generator=gen) * 0.3 - 1.0])
+    logits = logits[torch.randperm(vocab, generator=gen)]
+    opts = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kwargs}
+    sampler = Sampler(seed=7)
+    batch = _unseeded_batch(rows, **opts)
+    tokens = sampler(logits.repeat(rows, 1), batch).tokens
+
+    # the reference: a full sort and vLLM's rules in float64
+    scaled = logits.double() / opts["temperature"]
+    probs = scaled.softmax(-1)
+    if opts["min_p"]:
+        probs = torch.where(probs >= opts["min_p"] * probs.max(), probs, 0.0)
+    values, order = probs.sort(descending=True)
+    k = opts["top_k"] or vocab
+    values = values[:k] / values[:k].sum()
+    kept = (values.cumsum(0) - values) < opts["top_p"]
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[order[:k][kept]] = values[kept] / values[kept].sum()
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0, "sampled a token outside the truncated set"
+    # the 40 likeliest tokens one by one, then the others of the first candidates, then the rest
+    ranked = expected.argsort(descending=True)
+    groups = [ranked[i:i + 1] for i in range(40)] + [ranked[40:TOP_P_CANDIDATES[0]], ranked[TOP_P_CANDIDATES[0]:]]
+    observed = torch.stack([counts[g].sum() for g in groups])
+    exp = torch.stack([expected[g].sum() for g in groups]) * rows
+    assert _chi2_p_value(observed, exp) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 6}, {"top_p": 0.6}, {"top_k": 10, "top_p": 0.8, "temperature": 0.7}])
@@ -200,17 +269,8 @@ def test_sampled_frequencies_match_truncated_softmax(smollm2_llm, kwargs):
             counts[c.token_ids[0]] = counts.get(c.token_ids[0], 0) + 1
     assert set(counts) <= set(keep.tolist()), "sampled a token outside the truncated set"
     observed = torch.tensor([counts.get(t, 0) for t in keep.tolist()], dtype=torch.float64)
-    exp = expected.double() * draws
-    # merge rare categories so every expected count is >= 5
-    big = exp >= 5
-    obs_m = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp_m = torch.cat([exp[big], exp[~big].sum()[None]])
-    if exp_m[-1] < 5:
-        obs_m, exp_m = obs_m[:-1], exp_m[:-1]
-    chi2 = float(((obs_m - exp_m) ** 2 / exp_m).sum())
-    dof = len(exp_m) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
-    assert p_value > 1e-3, f"chi2={chi2:.1f} dof={dof} p={p_value:.2e}"
+    p_value = _chi2_p_value(observed, expected.double() * draws)
+    assert p_value > 1e-3, f"p={p_value:.2e}"
 
 
 # --- n > 1 --------------------------------------------------------------------------------------------

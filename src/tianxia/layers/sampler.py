@@ -217,11 +217,18 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-# How many of the largest logits a top-p row without top-k is truncated among, in turn, until its
-# nucleus fits: a full sort of a 49k vocabulary costs about 4 ms per row on a CPU core, topk(256)
-# about 0.1 ms. Sampled rows of SmolLM2 at temperature 0.8, top-p 0.95 keep a median of 18 tokens,
-# and 2.5% need more than 1024.
-TOP_P_CANDIDATES = (256, 4096)
+# How many of the largest logits a top-p row without top-k looks among first: sampled rows of
+# SmolLM2 at temperature 0.8, top-p 0.95 on text keep a median of 18 tokens, and 2.5% more than
+# 1024. A wider nucleus (flat distributions: random-token prompts, high temperatures) is found by
+# ``nucleus_floor`` without a sort: a full sort of a 49k vocabulary costs about 4 ms per row on a
+# CPU core, ``topk(256)`` about 0.1 ms.
+TOP_P_CANDIDATES = (256,)
+
+# nucleus_floor's bins: NUCLEUS_BINS over the NUCLEUS_SPAN logits below a row's largest (all lower
+# logits share the last bin; e^-30 of the top token's weight each, they matter only for a top-p
+# within a rounding error of 1)
+NUCLEUS_BINS = 2048
+NUCLEUS_SPAN = 30.0
 
 
 def _truncate_sorted(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
@@ -242,21 +249,64 @@ def _truncate_sorted(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     return keep, mass[:, -1] >= top_p
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool
-) -> torch.Tensor:
-    """Set every logit outside each row's top-k and top-p nucleus to -inf.
+def nucleus_floor(logits: torch.Tensor, top_p: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
+    """[R] the smallest logit each row's top-p nucleus keeps, over the whole row's distribution
+    (``row_norm``: [R, 1] log-sum-exps), without sorting the row: its probability mass is binned
+    by logit below the row's largest, the bin where the mass before a token reaches p is found
+    from the bins' running sum, and only that bin's logits (a few dozen) are ordered. The kept
+    set is the sort's but for ties with the last kept logit, which are kept too."""
+    rows = logits.shape[0]
+    # a finite top keeps every bin index a number (-inf logits: bans, min-p, land in the last bin)
+    top = logits.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(logits.dtype).min)
+    probs = (logits - row_norm).exp_()
+    bins = (top - logits).mul_(NUCLEUS_BINS / NUCLEUS_SPAN).clamp_(max=NUCLEUS_BINS - 1).long()
+    running = probs.new_zeros(rows, NUCLEUS_BINS).scatter_add_(1, bins, probs).cumsum_(dim=1)
+    # the first bin whose running mass reaches p holds the last kept token
+    last = torch.searchsorted(running, top_p[:, None].to(running.dtype)).clamp_(max=NUCLEUS_BINS - 1)
+    before = torch.where(last > 0, running.gather(1, (last - 1).clamp(min=0)), 0.0).squeeze(1)
+    # that bin's tokens of every row, in one list ordered by row, then by logit, descending
+    row, col = (bins == last).nonzero(as_tuple=True)
+    order = logits[row, col].argsort(descending=True, stable=True)
+    order = order[row[order].argsort(stable=True)]
+    row, col = row[order], col[order]
+    values, mass = logits[row, col], probs[row, col].double()
+    counts = torch.bincount(row, minlength=rows)
+    first = counts.cumsum(0) - counts
+    exclusive = mass.cumsum(0) - mass
+    exclusive = exclusive - exclusive[first[row]]  # the mass before each token within its row's bin
+    kept = before.double()[row] + exclusive < top_p.double()[row]
+    kept[first[counts > 0]] = True  # the bin holds the crossing token: its largest logit stays
+    floor = torch.full((rows,), float("inf"), dtype=logits.dtype, device=logits.device)
+    floor.scatter_reduce_(0, row[kept], values[kept], reduce="amin")
+    # a row whose running mass never reached p (a top-p within rounding of 1) keeps everything
+    return floor.masked_fill_(counts == 0, float("-inf"))
 
-    The kept tokens are found among each row's largest logits (``topk``): as many as its top-k
-    or, for a top-p row without one, each of TOP_P_CANDIDATES in turn while its nucleus reaches
-    past them, then all of them, sorted. Rows with neither are left as they are."""
+
+@dataclass
+class Nucleus:
+    """Each row's kept tokens under its top-k and top-p: for a row whose kept tokens are all
+    among its ``values.shape[1]`` largest logits (``fits``), those; for the others, every logit
+    at or above ``floor`` (-inf for a row without truncation: all of them)."""
+
+    values: torch.Tensor  # [S, W] each row's largest logits, descending; -inf where not kept
+    ids: torch.Tensor  # [S, W] their token ids
+    fits: torch.Tensor  # [S] bool
+    floor: torch.Tensor  # [S] float
+
+
+def find_nucleus(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool
+) -> Nucleus | None:
+    """Each row's top-k and top-p nucleus (None where no row truncates), found among its largest
+    logits (``topk``): as many as its top-k or, for a top-p row without one, TOP_P_CANDIDATES[0];
+    a wider top-p nucleus by :func:`nucleus_floor`."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab) if use_k else torch.full_like(top_k, vocab)
     p = top_p if use_p else torch.ones_like(top_p)
     has_k, has_p = k < vocab, p < 1.0
     truncated = has_k | has_p
     if not bool(truncated.any()):
-        return logits
+        return None
     first = TOP_P_CANDIDATES[0]
     width = int(torch.where(has_k, k, torch.where(has_p, first, 1)).clamp(max=vocab).max())
     values, ids = logits.topk(width, dim=-1)
@@ -265,23 +315,28 @@ def apply_top_k_top_p(
     if bool((has_p & ~has_k).any()):
         row_norm = torch.where(has_k, float("nan"), logits.logsumexp(dim=-1))[:, None]
     keep, reached = _truncate_sorted(values, k.clamp(max=width), p, row_norm)
-    out = torch.full_like(logits, float("-inf")).scatter_(-1, ids, values.masked_fill(~keep, float("-inf")))
-    if not bool(truncated.all()):
-        out = torch.where(truncated[:, None], out, logits)
-    pending = has_p & ~has_k & ~reached
-    for wider in (*TOP_P_CANDIDATES[1:], vocab):
-        rows = pending.nonzero().flatten()
-        if len(rows) == 0:
-            break
-        if wider < vocab:
-            values, ids = logits[rows].topk(wider, dim=-1)
-        else:
-            values, ids = logits[rows].sort(dim=-1, descending=True)
-        keep, reached = _truncate_sorted(values, k[rows].clamp(max=values.shape[-1]), p[rows],
-                                         None if row_norm is None else row_norm[rows])
-        out[rows] = torch.full_like(logits[rows], float("-inf")).scatter_(
-            -1, ids, values.masked_fill(~keep, float("-inf")))
-        pending[rows] = ~reached
+    wide = has_p & ~has_k & ~reached
+    fits = truncated & ~wide
+    floor = torch.full_like(p, float("-inf"))
+    if bool(wide.any()):
+        rows = wide.nonzero().flatten()
+        floor[rows] = nucleus_floor(logits[rows], p[rows], row_norm[rows])
+    return Nucleus(values.masked_fill(~keep, float("-inf")), ids, fits, floor)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool
+) -> torch.Tensor:
+    """Set every logit outside each row's top-k and top-p nucleus (:func:`find_nucleus`) to -inf.
+    Rows with neither are left as they are."""
+    nucleus = find_nucleus(logits, top_k, top_p, use_k, use_p)
+    if nucleus is None:
+        return logits
+    out = logits.masked_fill(logits < nucleus.floor[:, None], float("-inf"))
+    rows = nucleus.fits.nonzero().flatten()
+    if len(rows):
+        out[rows] = torch.full_like(out[rows], float("-inf")).scatter_(-1, nucleus.ids[rows],
+                                                                      nucleus.values[rows])
     return out
 
 
@@ -425,10 +480,76 @@ class Sampler:
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
         greedy_tokens = logits.argmax(dim=-1) if bool(greedy_cpu.any()) else None
-        tokens = self.draw(self.probs(logits, batch), batch.generators)
+        tokens = self.draw_truncated(Sampler.scaled(logits, batch), batch)
         if greedy_tokens is not None:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
+
+    def draw_truncated(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per sampled row from scaled logits under each row's top-k and top-p, by the
+        exponential race, with a noise per candidate where the candidates are few:
+
+        - a row whose kept tokens are all among its largest logits races only those;
+        - a row that keeps every token (temperature alone, or min-p, whose floor is already in the
+          logits) draws whether its token is among its TOP_P_CANDIDATES[0] largest (with their
+          share of the mass) and races those, or the rest of the row;
+        - a row with a wider top-p nucleus races the whole row above its floor.
+
+        A seeded row draws a noise for every token of the vocabulary from its generator, indexed
+        by token id, whichever way it goes: its tokens are those of a race over the whole
+        truncated row, in any batch. Greedy rows get 0 (the caller takes their argmax)."""
+        rows, vocab = scaled.shape
+        tokens = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
+        nucleus = None
+        if batch.any_top_k or batch.any_top_p:
+            top_k, top_p = _truncation(batch)
+            nucleus = find_nucleus(scaled, top_k.to(scaled.device), top_p.to(scaled.device),
+                                   batch.any_top_k, batch.any_top_p)
+        fits = torch.zeros(rows, dtype=torch.bool) if nucleus is None else nucleus.fits.cpu()
+        keeps_all = torch.ones(rows, dtype=torch.bool) if nucleus is None else \
+            (nucleus.floor == float("-inf")).cpu() & ~fits
+        sampled = batch.temperature != 0
+        seeded = torch.tensor([g is not None for g in batch.generators], dtype=torch.bool)
+        whole = sampled & ~fits & (seeded | ~keeps_all)  # races over the whole row
+
+        near = (sampled & fits & ~seeded).nonzero().flatten()
+        if len(near):
+            tokens[near] = self._race_candidates(nucleus.values[near], nucleus.ids[near])
+        for row in (sampled & fits & seeded).nonzero().flatten().tolist():
+            noise = self.uniform([batch.generators[row]], vocab)[0].log_().neg_()
+            ids, values = nucleus.ids[row], nucleus.values[row]
+            weight = (values - values[0]).exp_()
+            tokens[row] = ids[(weight / noise.to(ids.device)[ids]).argmax()]
+
+        mixed = (sampled & keeps_all & ~seeded).nonzero().flatten()
+        if len(mixed):
+            x = scaled[mixed]
+            values, ids = x.topk(min(TOP_P_CANDIDATES[0], vocab), dim=-1)
+            share = (values.logsumexp(dim=-1) - x.logsumexp(dim=-1)).exp_().cpu()
+            rest = x.scatter_(1, ids, float("-inf"))  # x is a copy of the rows
+            # a row all of whose finite logits are candidates has nothing else to draw
+            inside = (torch.rand(len(mixed), generator=self.generator) < share) | \
+                torch.isneginf(rest).all(dim=-1).cpu()
+            if bool(inside.any()):
+                tokens[mixed[inside]] = self._race_candidates(values[inside], ids[inside])
+            if not bool(inside.all()):
+                out = (~inside).nonzero().flatten()
+                tokens[mixed[out]] = self.draw(rest[out].softmax(dim=-1), [None] * len(out))
+
+        wide = whole.nonzero().flatten()
+        if len(wide):
+            x = scaled[wide]
+            if nucleus is not None:
+                x = x.masked_fill_(x < nucleus.floor[wide][:, None], float("-inf"))
+            tokens[wide] = self.draw(x.softmax(dim=-1), [batch.generators[i] for i in wide.tolist()])
+        return tokens
+
+    def _race_candidates(self, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exponential race among each row's candidates (logits in descending order, -inf
+        where not kept), with noise from the sampler's generator."""
+        noise = torch.rand(values.shape, generator=self.generator).log_().neg_().to(values.device)
+        weight = (values - values[:, :1]).exp_()
+        return ids.gather(1, (weight / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
 
     def samples_on_device(self, logits: torch.Tensor) -> bool:
         """Whether these logits are sampled by the Triton kernels (which, unlike a draw from a
