@@ -142,7 +142,8 @@ def test_unseeded_requests_vary(smollm2_llm):
 
 # --- the sampled distribution -------------------------------------------------------------------------
 
-def test_truncation_among_the_largest_logits_equals_a_full_sort():
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "torch"])
+def test_truncation_among_the_largest_logits_equals_a_full_sort(cpu_kernels):
     # nuclei of top-p 0.95 that end inside the first candidates and past them (found by the
     # bins of nucleus_floor: from a few hundred to a quarter of the vocabulary); rows with top-k, with
     # both, and with neither, in one batch over a shuffled vocabulary
@@ -162,7 +163,9 @@ def test_truncation_among_the_largest_logits_equals_a_full_sort():
     logits = torch.stack(rows).float()
     logits = logits[:, torch.randperm(vocab, generator=gen)]
     top_k, p = torch.tensor(top_k), torch.tensor(p)
-    got = apply_top_k_top_p(logits, top_k, p, True, True)
+    # the CPU kernels find top-p floors where autograd is off, as in the engine
+    with torch.inference_mode(cpu_kernels):
+        got = apply_top_k_top_p(logits, top_k, p, True, True)
 
     for i in range(len(logits)):  # the reference: sort everything, then vLLM's rule in float64
         values, order = logits[i].double().sort(descending=True)
@@ -210,7 +213,8 @@ def _unseeded_batch(rows: int, temperature: float, top_k: int, top_p: float, min
     {"min_p": 0.002, "temperature": 0.9},  # most tokens above the floor
     {"min_p": 0.05},  # every token above the floor among the first candidates
 ])
-def test_unseeded_draws_match_the_truncated_softmax(kwargs):
+@pytest.mark.parametrize("host_kernels", [True, False], ids=["cpu-kernels", "torch"])
+def test_unseeded_draws_match_the_truncated_softmax(kwargs, host_kernels):
     # a row with a peak and a long flat tail, whose largest TOP_P_CANDIDATES[0] logits hold only
     # part of the mass; many copies of it in one batch, sampled from the shared generator
     vocab, rows = 8192, 4096
@@ -218,9 +222,10 @@ def test_unseeded_draws_match_the_truncated_softmax(kwargs):
     logits = torch.cat([torch.linspace(4.0, 0.5, 64), torch.randn(vocab - 64, generator=gen) * 0.3 - 1.0])
     logits = logits[torch.randperm(vocab, generator=gen)]
     opts = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kwargs}
-    sampler = Sampler(seed=7)
+    sampler = Sampler(seed=7, host_kernels=host_kernels)
     batch = _unseeded_batch(rows, **opts)
-    tokens = sampler(logits.repeat(rows, 1), batch).tokens
+    with torch.inference_mode():  # as the engine samples (the CPU kernels take no autograd)
+        tokens = sampler(logits.repeat(rows, 1), batch).tokens
 
     # the reference: a full sort and vLLM's rules in float64
     scaled = logits.double() / opts["temperature"]

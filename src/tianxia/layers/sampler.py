@@ -11,7 +11,9 @@ Everything is a tensor op over the batch; Python loops only touch rows that use 
 On a GPU the truncation and the draw run in two Triton kernels (``triton_sampling``): top-k and
 top-p thresholds found by a search over logit values instead of a sort, and a Gumbel-max draw
 whose noise is hashed on the device from each row's key (a seeded row's from its seed and
-position, so it is batch-invariant there too), with no host sync but the copy of the tokens.
+position, so it is batch-invariant there too), with no host sync but the copy of the tokens. On
+a CPU with the kernels built (``quant/csrc/sampling.cpp``), a top-p floor and the Gumbel-max draw
+are one C++ pass each per row, the noise hashed the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from tianxia.layers.sampler_graphs import SamplerGraphs, apply_min_p, batch_kind, draw
+from tianxia.quant.cpu_kernels import fused_ops
 
 
 class SampledRow(Protocol):
@@ -299,7 +302,8 @@ def find_nucleus(
 ) -> Nucleus | None:
     """Each row's top-k and top-p nucleus (None where no row truncates), found among its largest
     logits (``topk``): as many as its top-k or, for a top-p row without one, TOP_P_CANDIDATES[0];
-    a wider top-p nucleus by :func:`nucleus_floor`."""
+    a wider top-p nucleus by its floor. Where the CPU kernels take the logits, a top-p row without
+    a top-k goes to its floor directly (``nucleus_floor`` there costs about a ``topk``)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab) if use_k else torch.full_like(top_k, vocab)
     p = top_p if use_p else torch.ones_like(top_p)
@@ -307,21 +311,32 @@ def find_nucleus(
     truncated = has_k | has_p
     if not bool(truncated.any()):
         return None
+    kernels = fused_ops(logits)
+    direct = has_p & ~has_k if kernels is not None else torch.zeros_like(has_p)
     first = TOP_P_CANDIDATES[0]
-    width = int(torch.where(has_k, k, torch.where(has_p, first, 1)).clamp(max=vocab).max())
-    values, ids = logits.topk(width, dim=-1)
-    # without a top-k, a row's nucleus is measured against its whole distribution
+    width = int(torch.where(has_k, k, torch.where(has_p & ~direct, first, 0)).clamp(max=vocab).max())
     row_norm = None
-    if bool((has_p & ~has_k).any()):
-        row_norm = torch.where(has_k, float("nan"), logits.logsumexp(dim=-1))[:, None]
-    keep, reached = _truncate_sorted(values, k.clamp(max=width), p, row_norm)
-    wide = has_p & ~has_k & ~reached
-    fits = truncated & ~wide
+    if width > 0:
+        values, ids = logits.topk(width, dim=-1)
+        # without a top-k, a row's nucleus is measured against its whole distribution
+        if bool((has_p & ~has_k & ~direct).any()):
+            row_norm = torch.where(has_k, float("nan"), logits.logsumexp(dim=-1))[:, None]
+        keep, reached = _truncate_sorted(values, k.clamp(max=width), p, row_norm)
+        wide = has_p & ~has_k & ~direct & ~reached
+        fits = truncated & ~direct & ~wide
+        values = values.masked_fill(~keep, float("-inf"))
+    else:
+        values = logits.new_empty(logits.shape[0], 0)
+        ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+        wide = fits = torch.zeros_like(has_p)
     floor = torch.full_like(p, float("-inf"))
-    if bool(wide.any()):
-        rows = wide.nonzero().flatten()
-        floor[rows] = nucleus_floor(logits[rows], p[rows], row_norm[rows])
-    return Nucleus(values.masked_fill(~keep, float("-inf")), ids, fits, floor)
+    if bool((wide | direct).any()):
+        rows = (wide | direct).nonzero().flatten()
+        if kernels is not None:
+            floor[rows] = kernels.nucleus_floor(logits[rows], p[rows], NUCLEUS_BINS, NUCLEUS_SPAN)
+        else:
+            floor[rows] = nucleus_floor(logits[rows], p[rows], row_norm[rows])
+    return Nucleus(values, ids, fits, floor)
 
 
 def apply_top_k_top_p(
@@ -390,9 +405,11 @@ def row_keys(rng: random.Random, seeds: list[int | None], steps: list[int]) -> t
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device_kernels: bool | None = None) -> None:
+    def __init__(self, seed: int = 0, device_kernels: bool | None = None, host_kernels: bool = True) -> None:
         """``device_kernels``: draw with the Triton kernels (None: where the logits are on a GPU
-        and Triton is installed; True also runs them on CPU tensors under Triton's interpreter)."""
+        and Triton is installed; True also runs them on CPU tensors under Triton's interpreter).
+        ``host_kernels``: draw CPU logits with the CPU kernels' race where they are built."""
+        self.host_kernels = host_kernels
         self.generator = torch.Generator().manual_seed(seed)
         self.keys = random.Random(seed)  # unseeded rows' noise keys on the GPU path
         self.device_kernels = device_kernels
@@ -487,7 +504,11 @@ class Sampler:
 
     def draw_truncated(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per sampled row from scaled logits under each row's top-k and top-p, by the
-        exponential race, with a noise per candidate where the candidates are few:
+        exponential race. Where the CPU kernels are built, one pass over each row races its
+        logits at or above the row's floor (its nucleus's smallest logit), with noise hashed from
+        the row's key and the token id as on the GPU (a seeded row's key from its seed and
+        position, so its tokens do not depend on the batch). Otherwise, in torch, with a noise
+        per candidate where the candidates are few:
 
         - a row whose kept tokens are all among its largest logits races only those;
         - a row that keeps every token (temperature alone, or min-p, whose floor is already in the
@@ -499,12 +520,15 @@ class Sampler:
         by token id, whichever way it goes: its tokens are those of a race over the whole
         truncated row, in any batch. Greedy rows get 0 (the caller takes their argmax)."""
         rows, vocab = scaled.shape
-        tokens = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
         nucleus = None
         if batch.any_top_k or batch.any_top_p:
             top_k, top_p = _truncation(batch)
             nucleus = find_nucleus(scaled, top_k.to(scaled.device), top_p.to(scaled.device),
                                    batch.any_top_k, batch.any_top_p)
+        kernels = fused_ops(scaled) if self.host_kernels else None
+        if kernels is not None:
+            return self._race_above_floor(kernels, scaled, batch, nucleus)
+        tokens = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
         fits = torch.zeros(rows, dtype=torch.bool) if nucleus is None else nucleus.fits.cpu()
         keeps_all = torch.ones(rows, dtype=torch.bool) if nucleus is None else \
             (nucleus.floor == float("-inf")).cpu() & ~fits
@@ -542,6 +566,25 @@ class Sampler:
             if nucleus is not None:
                 x = x.masked_fill_(x < nucleus.floor[wide][:, None], float("-inf"))
             tokens[wide] = self.draw(x.softmax(dim=-1), [batch.generators[i] for i in wide.tolist()])
+        return tokens
+
+    def _race_above_floor(self, kernels: Any, scaled: torch.Tensor, batch: SamplingBatch,
+                          nucleus: Nucleus | None) -> torch.Tensor:
+        floor = torch.full((scaled.shape[0],), float("-inf"))
+        if nucleus is not None:
+            floor = nucleus.floor
+            if bool(nucleus.fits.any()):
+                # a row whose nucleus is among its largest logits keeps those at or above the smallest
+                values = nucleus.values
+                smallest = values.masked_fill(values == float("-inf"), float("inf")).amin(dim=1)
+                floor = torch.where(nucleus.fits, smallest, floor)
+        keys = row_keys(self.keys, batch.seeds, batch.steps)
+        sampled = batch.temperature != 0
+        if bool(sampled.all()):
+            return kernels.race_draw(scaled, floor, keys)
+        tokens = torch.zeros(scaled.shape[0], dtype=torch.int64)
+        rows = sampled.nonzero().flatten()
+        tokens[rows] = kernels.race_draw(scaled[rows], floor[rows], keys[rows])
         return tokens
 
     def _race_candidates(self, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

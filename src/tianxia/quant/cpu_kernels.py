@@ -1,8 +1,8 @@
 """The CPU kernels (``csrc/``), built on first use: products with packed and float32 weights (the
 float path in ``kernels.cpp``, the integer path for 8-bit activations in ``gemm_int8.cpp``), the
 fused float32 ops of a step (residual add + RMSNorm, RoPE, gated activations, paged attention;
-``fused_ops.cpp``), each one call where torch would take several, and a whole decode step of a
-Llama-style model in one call (``decoder.cpp``).
+``fused_ops.cpp``), each one call where torch would take several, a whole decode step of a
+Llama-style model in one call (``decoder.cpp``), and the sampler's draw (``sampling.cpp``).
 
 Every product computes a row the same way whatever the other rows are (``kernels.h``): a token's
 numbers do not depend on its batch, on how its prompt was chunked, or on the prefix cache.
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "kernels.cpp", "gemm_int8.cpp", "gemm_int8_avx512.cpp", "gemm_int8_amx.cpp", "isa.cpp",
-            "fused_ops.cpp", "decoder.cpp"]
+            "fused_ops.cpp", "decoder.cpp", "sampling.cpp"]
 # -ffp-contract=off: the compiler fuses no multiply and add of its own, so that the same
 # expression rounds the same way wherever it is inlined (the kernels write their fmas out)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
