@@ -85,7 +85,7 @@ def test_every_request_gets_what_it_gets_without_async_scheduling(ahead_llm):
     plain, ahead, num_ahead = _with_and_without(
         ahead_llm, [PROMPTS[2], PROMPTS[0]],
         [SamplingParams(temperature=0, max_tokens=40, stop=["."]),
-         SamplingParams(temperature=0.8, seed=5, max_tokens=30)])
+         SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)])  # all 30 steps
     assert _summary(ahead) == _summary(plain)
     assert ahead[0].outputs[0].finish_reason == "stop" and len(ahead[0].outputs[0].token_ids) < 20
     assert num_ahead >= 28
