@@ -298,12 +298,14 @@ class Nucleus:
 
 
 def find_nucleus(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool,
+    kernels: Any = None,
 ) -> Nucleus | None:
     """Each row's top-k and top-p nucleus (None where no row truncates), found among its largest
     logits (``topk``): as many as its top-k or, for a top-p row without one, TOP_P_CANDIDATES[0];
-    a wider top-p nucleus by its floor. Where the CPU kernels take the logits, a top-p row without
-    a top-k goes to its floor directly (``nucleus_floor`` there costs about a ``topk``)."""
+    a wider top-p nucleus by its floor. With the CPU kernels (``kernels``: the extension, or None
+    for torch alone), a top-p row without a top-k goes to its floor directly (``nucleus_floor``
+    there costs about a ``topk``)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab) if use_k else torch.full_like(top_k, vocab)
     p = top_p if use_p else torch.ones_like(top_p)
@@ -311,7 +313,6 @@ def find_nucleus(
     truncated = has_k | has_p
     if not bool(truncated.any()):
         return None
-    kernels = fused_ops(logits)
     direct = has_p & ~has_k if kernels is not None else torch.zeros_like(has_p)
     first = TOP_P_CANDIDATES[0]
     width = int(torch.where(has_k, k, torch.where(has_p & ~direct, first, 0)).clamp(max=vocab).max())
@@ -344,7 +345,7 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Set every logit outside each row's top-k and top-p nucleus (:func:`find_nucleus`) to -inf.
     Rows with neither are left as they are."""
-    nucleus = find_nucleus(logits, top_k, top_p, use_k, use_p)
+    nucleus = find_nucleus(logits, top_k, top_p, use_k, use_p, fused_ops(logits))
     if nucleus is None:
         return logits
     out = logits.masked_fill(logits < nucleus.floor[:, None], float("-inf"))
@@ -411,7 +412,7 @@ class Sampler:
         ``host_kernels``: draw CPU logits with the CPU kernels' race where they are built."""
         self.host_kernels = host_kernels
         self.generator = torch.Generator().manual_seed(seed)
-        self.keys = random.Random(seed)  # unseeded rows' noise keys on the GPU path
+        self.keys = random.Random(seed)  # unseeded rows' noise keys of the kernels' draws
         self.device_kernels = device_kernels
         self.grammar_backend = None  # set by the engine when a request is constrained
         self.graphs: SamplerGraphs | None = None  # set by the runner where decode steps are graphed
@@ -520,12 +521,12 @@ class Sampler:
         by token id, whichever way it goes: its tokens are those of a race over the whole
         truncated row, in any batch. Greedy rows get 0 (the caller takes their argmax)."""
         rows, vocab = scaled.shape
+        kernels = fused_ops(scaled) if self.host_kernels else None
         nucleus = None
         if batch.any_top_k or batch.any_top_p:
             top_k, top_p = _truncation(batch)
             nucleus = find_nucleus(scaled, top_k.to(scaled.device), top_p.to(scaled.device),
-                                   batch.any_top_k, batch.any_top_p)
-        kernels = fused_ops(scaled) if self.host_kernels else None
+                                   batch.any_top_k, batch.any_top_p, kernels)
         if kernels is not None:
             return self._race_above_floor(kernels, scaled, batch, nucleus)
         tokens = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
