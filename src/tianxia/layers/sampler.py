@@ -12,8 +12,9 @@ On a GPU the truncation and the draw run in two Triton kernels (``triton_samplin
 top-p thresholds found by a search over logit values instead of a sort, and a Gumbel-max draw
 whose noise is hashed on the device from each row's key (a seeded row's from its seed and
 position, so it is batch-invariant there too), with no host sync but the copy of the tokens. On
-a CPU with the kernels built (``quant/csrc/sampling.cpp``), a top-p floor and the Gumbel-max draw
-are one C++ pass each per row, the noise hashed the same way.
+a CPU with the kernels built (``quant/csrc/sampling.cpp``), the Gumbel-max draw is one C++ pass
+per row, the noise hashed the same way, that computes the noise only of the logits it may lift
+to the lead; a top-p row then checks that its winner is in the nucleus.
 """
 
 from __future__ import annotations
@@ -331,7 +332,9 @@ def find_nucleus(
         ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
         wide = fits = torch.zeros_like(has_p)
     floor = torch.full_like(p, float("-inf"))
-    if bool((wide | direct).any()):
+    if bool((wide | direct).all()) and kernels is not None:
+        floor = kernels.nucleus_floor(logits, p, NUCLEUS_BINS, NUCLEUS_SPAN)  # no copy of the rows
+    elif bool((wide | direct).any()):
         rows = (wide | direct).nonzero().flatten()
         if kernels is not None:
             floor[rows] = kernels.nucleus_floor(logits[rows], p[rows], NUCLEUS_BINS, NUCLEUS_SPAN)
@@ -506,9 +509,10 @@ class Sampler:
     def draw_truncated(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token per sampled row from scaled logits under each row's top-k and top-p, by the
         exponential race. Where the CPU kernels are built, one pass over each row races its
-        logits at or above the row's floor (its nucleus's smallest logit), with noise hashed from
-        the row's key and the token id as on the GPU (a seeded row's key from its seed and
-        position, so its tokens do not depend on the batch). Otherwise, in torch, with a noise
+        logits (at or above a top-k row's floor), with noise hashed from the row's key and the
+        token id as on the GPU (a seeded row's key from its seed and position, so its tokens do
+        not depend on the batch), and a second pass checks that a top-p row's winner is in its
+        nucleus (:meth:`_race_in_nucleus`). Otherwise, in torch, with a noise
         per candidate where the candidates are few:
 
         - a row whose kept tokens are all among its largest logits races only those;
@@ -522,13 +526,13 @@ class Sampler:
         truncated row, in any batch. Greedy rows get 0 (the caller takes their argmax)."""
         rows, vocab = scaled.shape
         kernels = fused_ops(scaled) if self.host_kernels else None
+        if kernels is not None:
+            return self._race_in_nucleus(kernels, scaled, batch)
         nucleus = None
         if batch.any_top_k or batch.any_top_p:
             top_k, top_p = _truncation(batch)
             nucleus = find_nucleus(scaled, top_k.to(scaled.device), top_p.to(scaled.device),
-                                   batch.any_top_k, batch.any_top_p, kernels)
-        if kernels is not None:
-            return self._race_above_floor(kernels, scaled, batch, nucleus)
+                                   batch.any_top_k, batch.any_top_p)
         tokens = torch.zeros(rows, dtype=torch.int64, device=scaled.device)
         fits = torch.zeros(rows, dtype=torch.bool) if nucleus is None else nucleus.fits.cpu()
         keeps_all = torch.ones(rows, dtype=torch.bool) if nucleus is None else \
@@ -569,23 +573,31 @@ class Sampler:
             tokens[wide] = self.draw(x.softmax(dim=-1), [batch.generators[i] for i in wide.tolist()])
         return tokens
 
-    def _race_above_floor(self, kernels: Any, scaled: torch.Tensor, batch: SamplingBatch,
-                          nucleus: Nucleus | None) -> torch.Tensor:
-        floor = torch.full((scaled.shape[0],), float("-inf"))
-        if nucleus is not None:
-            floor = nucleus.floor
-            if bool(nucleus.fits.any()):
-                # a row whose nucleus is among its largest logits keeps those at or above the smallest
-                values = nucleus.values
-                smallest = values.masked_fill(values == float("-inf"), float("inf")).amin(dim=1)
-                floor = torch.where(nucleus.fits, smallest, floor)
+    def _race_in_nucleus(self, kernels: Any, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The CPU kernels' race: a row with a top-k keeps its nucleus among its largest logits
+        (``find_nucleus``), as a floor; a row with top-p alone is truncated by the kernel, which
+        finds the nucleus only when the race's winner is not in it."""
+        rows, vocab = scaled.shape
+        floor = torch.full((rows,), float("-inf"))
+        top_p = torch.ones(rows)
+        if batch.any_top_k or batch.any_top_p:
+            top_k, p = _truncation(batch)
+            alone = (p < 1.0) & ((top_k <= 0) | (top_k >= vocab))
+            top_p = torch.where(alone, p, 1.0)
+            if batch.any_top_k:
+                nucleus = find_nucleus(scaled, top_k, torch.where(alone, 1.0, p), True, batch.any_top_p, kernels)
+                if nucleus is not None:
+                    # a row whose nucleus is among its largest logits keeps those at or above the smallest
+                    values = nucleus.values
+                    smallest = values.masked_fill(values == float("-inf"), float("inf")).amin(dim=1)
+                    floor = torch.where(nucleus.fits, smallest, nucleus.floor)
         keys = row_keys(self.keys, batch.seeds, batch.steps)
         sampled = batch.temperature != 0
         if bool(sampled.all()):
-            return kernels.race_draw(scaled, floor, keys)
-        tokens = torch.zeros(scaled.shape[0], dtype=torch.int64)
-        rows = sampled.nonzero().flatten()
-        tokens[rows] = kernels.race_draw(scaled[rows], floor[rows], keys[rows])
+            return kernels.race_draw(scaled, floor, keys, top_p, NUCLEUS_BINS, NUCLEUS_SPAN)
+        tokens = torch.zeros(rows, dtype=torch.int64)
+        at = sampled.nonzero().flatten()
+        tokens[at] = kernels.race_draw(scaled[at], floor[at], keys[at], top_p[at], NUCLEUS_BINS, NUCLEUS_SPAN)
         return tokens
 
     def _race_candidates(self, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -66,13 +66,28 @@ inline uint32_t mix1(uint32_t h) {
   return h ^ (h >> 16);
 }
 
+// the noise's 32-bit hash of (key, token id)
+inline __m256i hash8(__m256i index, __m256i lo, __m256i hi) {
+  return mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(index, lo)), hi));
+}
+
 // -log(-log u) for u = (top 24 bits of the hash + 1/2) / 2^24, in (0, 1)
-inline __m256 gumbel8(__m256i index, __m256i lo, __m256i hi) {
-  const __m256i h = mix8(_mm256_xor_si256(mix8(_mm256_xor_si256(index, lo)), hi));
+inline __m256 gumbel8(__m256i h) {
   const __m256 u = _mm256_mul_ps(_mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0.5f)),
                                  _mm256_set1_ps(1.f / 16777216.f));
   const __m256 e = _mm256_sub_ps(_mm256_setzero_ps(), log8(u));
   return _mm256_sub_ps(_mm256_setzero_ps(), log8(e));
+}
+
+// an upper bound of gumbel8(h) without a logarithm: with n = 2^24 - (h >> 8) >= 1,
+// -log u >= 1 - u = (n - 1/2) / 2^24 >= n / 2^25, so the noise is at most
+// ln 2 (25 - floor(log2 n)), and floor(log2 n) is the exponent of n as a float (plus a margin
+// far above log8's rounding)
+inline __m256 gumbel_bound8(__m256i h) {
+  const __m256i n = _mm256_sub_epi32(_mm256_set1_epi32(1 << 24), _mm256_srli_epi32(h, 8));
+  const __m256i biased = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(n)), 23);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_set1_epi32(127 + 25), biased)),
+                         _mm256_set1_ps(0.693147181f), _mm256_set1_ps(1e-2f));
 }
 
 inline float gumbel1(uint32_t index, uint32_t lo, uint32_t hi) {
@@ -80,6 +95,9 @@ inline float gumbel1(uint32_t index, uint32_t lo, uint32_t hi) {
   const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.f / 16777216.f);
   return -std::log(-std::log(u));
 }
+
+// above every noise gumbel8 gives: -log(-log u) for the largest u, 1 - 2^-25, is 17.33
+constexpr float kGumbelMax = 18.f;
 
 int64_t race_row(const float* x, int64_t V, float floor, uint32_t lo, uint32_t hi) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -89,15 +107,30 @@ int64_t race_row(const float* x, int64_t V, float floor, uint32_t lo, uint32_t h
   const __m256i step = _mm256_set1_epi32(8), vlo = _mm256_set1_epi32(static_cast<int32_t>(lo)),
                 vhi = _mm256_set1_epi32(static_cast<int32_t>(hi));
   const __m256 vfloor = _mm256_set1_ps(floor), vneg = _mm256_set1_ps(neg_inf);
+  const __m256 vgmax = _mm256_set1_ps(kGumbelMax);
+  // the best score so far over all lanes: a logit that even the largest noise cannot lift above
+  // it cannot win (a later index loses a tie), so its noise is never computed
+  __m256 lead = vneg;
   int64_t i = 0;
   for (; i + 8 <= V; i += 8, index = _mm256_add_epi32(index, step)) {
     const __m256 v = _mm256_loadu_ps(x + i);
     const __m256 kept = _mm256_cmp_ps(v, vfloor, _CMP_GE_OQ);
-    if (_mm256_movemask_ps(kept) == 0) continue;  // a truncated row skips most of its noise
-    const __m256 score = _mm256_blendv_ps(vneg, _mm256_add_ps(v, gumbel8(index, vlo, vhi)), kept);
+    // a truncated row skips most of its noise, and so does the tail of any row
+    const __m256 reach = _mm256_cmp_ps(_mm256_add_ps(v, vgmax), lead, _CMP_GT_OQ);
+    if (_mm256_movemask_ps(_mm256_and_ps(kept, reach)) == 0) continue;
+    // and most logits near the top are passed on their hash alone: the logarithms are for the
+    // few whose noise may lift them above the lead
+    const __m256i h = hash8(index, vlo, vhi);
+    const __m256 open = _mm256_and_ps(kept, _mm256_cmp_ps(_mm256_add_ps(v, gumbel_bound8(h)), lead, _CMP_GT_OQ));
+    if (_mm256_movemask_ps(open) == 0) continue;
+    const __m256 score = _mm256_blendv_ps(vneg, _mm256_add_ps(v, gumbel8(h)), open);
     const __m256 better = _mm256_cmp_ps(score, best, _CMP_GT_OQ);  // strictly: the first index wins ties
+    if (_mm256_movemask_ps(better) == 0) continue;
     best = _mm256_blendv_ps(best, score, better);
     best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(index), better));
+    __m256 m = _mm256_max_ps(best, _mm256_permute2f128_ps(best, best, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    lead = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
   }
   float lane[8];
   int32_t lane_at[8];
@@ -122,43 +155,111 @@ int64_t race_row(const float* x, int64_t V, float floor, uint32_t lo, uint32_t h
   return at < 0 ? 0 : at;  // no kept logit (the caller drops such rows): any token
 }
 
-// the smallest logit of a row's top-p nucleus over its whole distribution (see nucleus_floor)
-float row_floor(const float* x, int64_t V, double p, int bins, float span, std::vector<float>& e,
-                std::vector<double>& hist) {
+// a row's largest logit (NaN ignored)
+inline float row_max(const float* x, int64_t V) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i) top = std::max(top, x[i]);
-  if (!(top > -std::numeric_limits<float>::infinity())) return top;
-  e.resize(V);
-  double total = 0;
   int64_t i = 0;
-  const __m256 vtop = _mm256_set1_ps(top);
-  for (; i + 8 <= V; i += 8) _mm256_storeu_ps(&e[i], exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vtop)));
-  for (; i < V; ++i) e[i] = std::exp(x[i] - top);
+  __m256 vmax = _mm256_set1_ps(top);
+  for (; i + 8 <= V; i += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(x + i), vmax);  // NaN lanes keep vmax
+  float lane[8];
+  _mm256_storeu_ps(lane, vmax);
+  for (float v : lane) top = std::max(top, v);
+  for (; i < V; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
+// e^x by exp8's arithmetic, for the few weights taken one at a time: a token's weight is one number
+inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+// the smallest logit of a row's top-p nucleus over its whole distribution (see nucleus_floor): one
+// vectorized pass takes each logit's weight and bin, and only the scatter into the bins is scalar
+float row_floor(const float* x, int64_t V, double p, int bins, float span, std::vector<double>& hist,
+                std::vector<std::pair<float, int64_t>>& in_bin) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float top = row_max(x, V);
+  if (!(top > neg_inf)) return top;
+  int64_t i;
   hist.assign(bins, 0.0);
-  const float scale = bins / span;
-  auto bin_of = [&](float v) { return static_cast<int>(std::min(static_cast<float>(bins - 1), (top - v) * scale)); };
-  for (i = 0; i < V; ++i) {
-    if (!(x[i] > -std::numeric_limits<float>::infinity())) continue;  // no mass
-    hist[bin_of(x[i])] += e[i];
-    total += e[i];
+  const float scale = bins / span, last = static_cast<float>(bins - 1);
+  // the same float arithmetic in both loops below, so a logit's bin is one number
+  auto bin_of = [&](float v) { return static_cast<int>(std::min(last, (top - v) * scale)); };
+  const __m256 vtop = _mm256_set1_ps(top), vscale = _mm256_set1_ps(scale), vlast = _mm256_set1_ps(last),
+               vneg = _mm256_set1_ps(neg_inf);
+  alignas(32) float w[8];
+  alignas(32) int32_t at[8];
+  for (i = 0; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 massive = _mm256_cmp_ps(v, vneg, _CMP_GT_OQ);  // -inf and NaN weigh nothing
+    _mm256_store_ps(w, _mm256_and_ps(massive, exp8(_mm256_sub_ps(v, vtop))));
+    // min's second operand is taken for a NaN difference: such lanes land in the last bin
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at),
+                       _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast)));
+    for (int j = 0; j < 8; ++j) hist[at[j]] += w[j];
   }
+  for (; i < V; ++i)
+    if (x[i] > neg_inf) hist[bin_of(x[i])] += exp1(x[i] - top);
+  double total = 0;
+  for (int b = 0; b < bins; ++b) total += hist[b];
   const double want = p * total;
   double before = 0;
   int b = 0;
   for (; b < bins - 1 && before + hist[b] < want; ++b) before += hist[b];
   // the bin holding the token where the mass before reaches p: its logits, largest first
-  std::vector<std::pair<float, int64_t>> in_bin;
-  for (i = 0; i < V; ++i)
-    if (x[i] > -std::numeric_limits<float>::infinity() && bin_of(x[i]) == b) in_bin.emplace_back(x[i], i);
-  if (in_bin.empty()) return -std::numeric_limits<float>::infinity();
+  in_bin.clear();
+  const __m256i vb = _mm256_set1_epi32(b);
+  for (i = 0; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i bin = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast));
+    int hits = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bin, vb)),
+                                                _mm256_cmp_ps(v, vneg, _CMP_GT_OQ)));
+    for (; hits; hits &= hits - 1) {
+      const int64_t k = i + __builtin_ctz(hits);
+      in_bin.emplace_back(x[k], k);
+    }
+  }
+  for (; i < V; ++i)
+    if (x[i] > neg_inf && bin_of(x[i]) == b) in_bin.emplace_back(x[i], i);
+  if (in_bin.empty()) return neg_inf;
   std::sort(in_bin.begin(), in_bin.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
   float floor = in_bin[0].first;  // the bin holds the crossing token: its largest logit stays
-  for (const auto& [v, at] : in_bin) {
+  for (const auto& [v, k] : in_bin) {
     if (before >= want) break;
     floor = v;
-    before += e[at];
+    before += exp1(v - top);
   }
   return floor;
+}
+
+// whether a row's top-p nucleus keeps logit v: the mass of the logits above it is below p (the
+// sort's rule, with ties kept, as row_floor's; the same weights, summed in double)
+bool in_nucleus(const float* x, int64_t V, float v, double p) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = row_max(x, V);
+  if (!(v < top)) return true;  // the largest logit always stays
+  const __m256 vtop = _mm256_set1_ps(top), vv = _mm256_set1_ps(v), vneg = _mm256_set1_ps(neg_inf);
+  __m256d total = _mm256_setzero_pd(), above = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + i);
+    const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x8, vneg, _CMP_GT_OQ), exp8(_mm256_sub_ps(x8, vtop)));
+    const __m256 wa = _mm256_and_ps(_mm256_cmp_ps(x8, vv, _CMP_GT_OQ), w);
+    total = _mm256_add_pd(total, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
+    above = _mm256_add_pd(above, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(wa)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(wa, 1))));
+  }
+  double lanes[4], lanes_above[4];
+  _mm256_storeu_pd(lanes, total);
+  _mm256_storeu_pd(lanes_above, above);
+  double sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  double sum_above = lanes_above[0] + lanes_above[1] + lanes_above[2] + lanes_above[3];
+  for (; i < V; ++i) {
+    if (!(x[i] > neg_inf)) continue;
+    const double w = exp1(x[i] - top);
+    sum += w;
+    if (x[i] > v) sum_above += w;
+  }
+  return sum_above < p * sum;
 }
 
 }  // namespace
@@ -179,33 +280,54 @@ torch::Tensor nucleus_floor(torch::Tensor x, torch::Tensor top_p, int64_t bins, 
   const float* pp = top_p.data_ptr<float>();
   float* po = out.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> e;
     std::vector<double> hist;
+    std::vector<std::pair<float, int64_t>> in_bin;
     for (int64_t r = r0; r < r1; ++r)
-      po[r] = row_floor(px + r * V, V, pp[r], static_cast<int>(bins), static_cast<float>(span), e, hist);
+      po[r] = row_floor(px + r * V, V, pp[r], static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
   });
   return out;
 }
 
 // One token per row of x [R, V] (float32 logits, temperature applied, -inf where excluded): the
-// race over the logits at or above floor[r] ([R] float32), noise keyed by keys[r] ([R, 2] int64:
-// the two 32-bit halves of the row's 64-bit key). Returns [R] int64.
-torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys) {
+// race over the logits at or above floor[r] ([R] float32) and within the row's top-p nucleus
+// (top_p: [R] float32, 1 for none; the nucleus of the whole row's distribution, as
+// nucleus_floor's, with `bins` and `span`), noise keyed by keys[r] ([R, 2] int64: the two 32-bit
+// halves of the row's 64-bit key). Returns [R] int64.
+//
+// A top-p row races first and asks afterwards: the winner of the race over the whole row is the
+// winner over any set that holds it, and it is in the nucleus when the mass above its logit is
+// below p, one pass over the row. Only a row whose winner fell in the tail (1 - p of the time)
+// finds its floor and races again, with the same noise.
+torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys, torch::Tensor top_p, int64_t bins,
+                        double span) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [R, V]");
   TORCH_CHECK(x.size(1) < (int64_t(1) << 31), "a vocabulary of 2^31 tokens or more");
   x = x.contiguous();
   floor = floor.to(torch::kFloat32).contiguous();
   keys = keys.to(torch::kInt64).contiguous();
+  top_p = top_p.to(torch::kFloat32).contiguous();
   const int64_t R = x.size(0), V = x.size(1);
-  TORCH_CHECK(floor.numel() == R && keys.numel() == 2 * R, "floor [R] and keys [R, 2] for ", R, " rows");
+  TORCH_CHECK(floor.numel() == R && keys.numel() == 2 * R && top_p.numel() == R,
+              "floor [R], keys [R, 2] and top_p [R] for ", R, " rows");
   auto out = torch::empty({R}, x.options().dtype(torch::kInt64));
   const float* px = x.data_ptr<float>();
   const float* pf = floor.data_ptr<float>();
   const int64_t* pk = keys.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
   int64_t* po = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      po[r] = race_row(px + r * V, V, pf[r], static_cast<uint32_t>(pk[2 * r]), static_cast<uint32_t>(pk[2 * r + 1]));
+    std::vector<double> hist;
+    std::vector<std::pair<float, int64_t>> in_bin;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = px + r * V;
+      const auto lo = static_cast<uint32_t>(pk[2 * r]), hi = static_cast<uint32_t>(pk[2 * r + 1]);
+      int64_t at = race_row(row, V, pf[r], lo, hi);
+      if (pp[r] < 1.f && !in_nucleus(row, V, row[at], pp[r])) {
+        const float nucleus = row_floor(row, V, pp[r], static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
+        at = race_row(row, V, std::max(pf[r], nucleus), lo, hi);
+      }
+      po[r] = at;
+    }
   });
   return out;
 }
