@@ -53,21 +53,14 @@ def peer_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
-def batch_for(rows: int, temperature: float, top_k: int, top_p: float, min_p: float):
+def batch_for(rows: int, **params):
+    """A step of ``rows`` engine sequences of one request's parameters, as the engine builds it."""
+    from tianxia import SamplingParams
+    from tianxia.engine.sequence import Sequence
     from tianxia.layers.sampler import SamplingBatch
 
-    def full(v, dt):
-        return torch.full((rows,), v, dtype=dt)
-
-    return SamplingBatch(
-        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int64),
-        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
-        presence=full(0.0, torch.float32), frequency=full(0.0, torch.float32), repetition=full(1.0, torch.float32),
-        output_ids=None, prompt_ids=None, generators=[None] * rows, banned=[[] for _ in range(rows)],
-        allowed=[None] * rows, bias=[None] * rows, num_logprobs=[None] * rows, grammars=[None] * rows,
-        all_greedy=False, any_top_k=top_k > 0, any_top_p=top_p < 1, any_min_p=min_p > 0,
-        seeds=[None] * rows, steps=[0] * rows,
-    )
+    shared = SamplingParams(**params)
+    return SamplingBatch.from_sequences([Sequence(str(i), None, [0], shared) for i in range(rows)], eos_ids=())
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from tianxia import LLM, BeamSearchParams, SamplingParams
 from tianxia.engine.output_processor import OutputProcessor, engine_params
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p
+from tianxia.quant.cpu_kernels import extension
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "My favourite season is"]
 
@@ -177,6 +178,30 @@ def test_truncation_among_the_largest_logits_equals_a_full_sort(cpu_kernels):
     assert [int((got[i] > float("-inf")).sum()) for i in range(len(widths))] == widths
 
 
+def test_the_kernels_top_k_floor_equals_a_full_sort():
+    # top-k alone, top-k then top-p over the renormalized k (vLLM's order), a k past the first
+    # collection's doubling, and rows that keep 1 or all but one token
+    kernels = extension()
+    if kernels is None:
+        pytest.skip("the CPU kernels are not built here")
+    vocab = 49152
+    gen = torch.Generator().manual_seed(3)
+    cases = [(1, 1.0), (40, 1.0), (40, 0.9), (50, 0.3), (1000, 0.95), (20000, 0.99), (vocab - 1, 1.0), (7, 0.0)]
+    logits = (torch.randn(len(cases), vocab, generator=gen, dtype=torch.float64) * 3).float()
+    top_k = torch.tensor([k for k, _ in cases])
+    top_p = torch.tensor([p for _, p in cases])
+    floor = kernels.top_k_floor(logits, top_k, top_p)
+    for i, (k, p) in enumerate(cases):
+        values, order = logits[i].double().sort(descending=True)
+        probs = values[:k].softmax(-1)
+        kept = (probs.cumsum(0) - probs) < p
+        kept[0] = True  # the largest logit always stays
+        expected = order[:k][kept].sort().values
+        assert torch.equal((logits[i] >= floor[i]).nonzero().flatten(), expected), (k, p)
+    no_k = kernels.top_k_floor(logits, torch.tensor([0, vocab] * (len(cases) // 2)), top_p)
+    assert bool(torch.isneginf(no_k).all())
+
+
 
 def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """p-value of Pearson's chi-square test, rare categories merged so each expects at least 5."""
@@ -189,20 +214,10 @@ def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2), torch.tensor(chi2 / 2)))
 
 
-def _unseeded_batch(rows: int, temperature: float, top_k: int, top_p: float, min_p: float) -> SamplingBatch:
-    def full(v, dtype):
-        return torch.full((rows,), v, dtype=dtype)
-
-    return SamplingBatch(
-        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int64),
-        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
-        presence=full(0.0, torch.float32), frequency=full(0.0, torch.float32),
-        repetition=full(1.0, torch.float32), output_ids=None, prompt_ids=None,
-        generators=[None] * rows, banned=[[] for _ in range(rows)], allowed=[None] * rows,
-        bias=[None] * rows, num_logprobs=[None] * rows, grammars=[None] * rows, all_greedy=False,
-        any_top_k=top_k > 0, any_top_p=top_p < 1, any_min_p=min_p > 0, seeds=[None] * rows,
-        steps=[0] * rows,
-    )
+def _unseeded_batch(rows: int, **params) -> SamplingBatch:
+    """A step of ``rows`` engine sequences of one request's parameters, none seeded."""
+    shared = SamplingParams(**params)
+    return SamplingBatch.from_sequences([Sequence(str(i), None, [0], shared) for i in range(rows)], eos_ids=())
 
 
 @pytest.mark.parametrize("kwargs", [

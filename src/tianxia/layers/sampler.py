@@ -574,23 +574,18 @@ class Sampler:
         return tokens
 
     def _race_in_nucleus(self, kernels: Any, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The CPU kernels' race: a row with a top-k keeps its nucleus among its largest logits
-        (``find_nucleus``), as a floor; a row with top-p alone is truncated by the kernel, which
-        finds the nucleus only when the race's winner is not in it."""
+        """The CPU kernels' race: a row with a top-k keeps the logits at or above the smallest its
+        top-k and top-p keep (``top_k_floor``, one pass over the row); a row with top-p alone is
+        truncated by the race, which finds the nucleus only when its winner is not in it."""
         rows, vocab = scaled.shape
         floor = torch.full((rows,), float("-inf"))
         top_p = torch.ones(rows)
         if batch.any_top_k or batch.any_top_p:
             top_k, p = _truncation(batch)
-            alone = (p < 1.0) & ((top_k <= 0) | (top_k >= vocab))
-            top_p = torch.where(alone, p, 1.0)
-            if batch.any_top_k:
-                nucleus = find_nucleus(scaled, top_k, torch.where(alone, 1.0, p), True, batch.any_top_p, kernels)
-                if nucleus is not None:
-                    # a row whose nucleus is among its largest logits keeps those at or above the smallest
-                    values = nucleus.values
-                    smallest = values.masked_fill(values == float("-inf"), float("inf")).amin(dim=1)
-                    floor = torch.where(nucleus.fits, smallest, nucleus.floor)
+            has_k = (top_k > 0) & (top_k < vocab)
+            top_p = torch.where(has_k, 1.0, p)
+            if bool(has_k.any()):
+                floor = kernels.top_k_floor(scaled, torch.where(has_k, top_k, 0), p)
         keys = row_keys(self.keys, batch.seeds, batch.steps)
         sampled = batch.temperature != 0
         if bool(sampled.all()):

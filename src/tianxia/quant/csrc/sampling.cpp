@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -262,7 +263,69 @@ bool in_nucleus(const float* x, int64_t V, float v, double p) {
   return sum_above < p * sum;
 }
 
+// the smallest logit a row keeps under top-k `k` (0 < k < V) and then top-p `p` over the
+// distribution renormalized to the k (as vLLM): the k largest logits collected in one pass, a
+// logit taken only above the k-th largest among those collected so far, the collection cut back to
+// k (nth_element) whenever it doubles
+float row_top_k_floor(const float* x, int64_t V, int64_t k, double p, std::vector<float>& kept) {
+  kept.clear();
+  float bar = -std::numeric_limits<float>::infinity();  // -inf and NaN never enter
+  auto cut = [&]() {
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), std::greater<float>());
+    kept.resize(k);
+    bar = *std::min_element(kept.begin(), kept.end());
+  };
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(bar), _CMP_GT_OQ));
+    for (; above; above &= above - 1) kept.push_back(x[i + __builtin_ctz(above)]);
+    if (static_cast<int64_t>(kept.size()) >= 2 * k) cut();
+  }
+  for (; i < V; ++i)
+    if (x[i] > bar) kept.push_back(x[i]);
+  if (kept.empty()) return -std::numeric_limits<float>::infinity();
+  if (static_cast<int64_t>(kept.size()) > k) cut();
+  std::sort(kept.begin(), kept.end(), std::greater<float>());
+  if (!(p < 1.0)) return kept.back();
+  double total = 0;
+  for (float v : kept) total += exp1(v - kept[0]);
+  // a logit stays while the mass before it is below p; the largest always does
+  double before = 0;
+  float floor = kept[0];
+  for (float v : kept) {
+    if (before >= p * total) break;
+    floor = v;
+    before += exp1(v - kept[0]);
+  }
+  return floor;
+}
+
 }  // namespace
+
+// [R] the smallest logit each row keeps under its top-k (top_k: [R] int64, 0 or >= V for none:
+// -inf) and then its top-p (top_p: [R] float32) over the distribution renormalized to those k, in
+// one pass over the row instead of a sort or a topk. Ties with the last kept logit are kept too.
+torch::Tensor top_k_floor(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [R, V]");
+  x = x.contiguous();
+  top_k = top_k.to(torch::kInt64).contiguous();
+  top_p = top_p.to(torch::kFloat32).contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(top_k.numel() == R && top_p.numel() == R, "top_k [R] and top_p [R] for ", R, " rows");
+  auto out = torch::empty({R}, x.options());
+  const float* px = x.data_ptr<float>();
+  const int64_t* pk = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> kept;
+    for (int64_t r = r0; r < r1; ++r)
+      po[r] = pk[r] > 0 && pk[r] < V ? row_top_k_floor(px + r * V, V, pk[r], pp[r], kept)
+                                     : -std::numeric_limits<float>::infinity();
+  });
+  return out;
+}
 
 // [R] the smallest logit each row's top-p nucleus keeps (top_p: [R] float32), over the row's whole
 // distribution, the sort's rule (a token is kept while the mass before it is below p) without a
