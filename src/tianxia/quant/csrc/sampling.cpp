@@ -172,6 +172,12 @@ inline float row_max(const float* x, int64_t V) {
 // e^x by exp8's arithmetic, for the few weights taken one at a time: a token's weight is one number
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
+// the weights e^(x - top) of 8 logits; -inf and NaN weigh nothing
+inline __m256 weight8(__m256 x, __m256 vtop) {
+  const __m256 massive = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_GT_OQ);
+  return _mm256_and_ps(massive, exp8(_mm256_sub_ps(x, vtop)));
+}
+
 // the smallest logit of a row's top-p nucleus over its whole distribution (see nucleus_floor): one
 // vectorized pass takes each logit's weight and bin, and only the scatter into the bins is scalar
 float row_floor(const float* x, int64_t V, double p, int bins, float span, std::vector<double>& hist,
@@ -182,19 +188,20 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
   int64_t i;
   hist.assign(bins, 0.0);
   const float scale = bins / span, last = static_cast<float>(bins - 1);
-  // the same float arithmetic in both loops below, so a logit's bin is one number
+  // one float arithmetic for every pass below, so a logit's bin is one number; min's second
+  // operand is taken for a NaN difference: such lanes land in the last bin
   auto bin_of = [&](float v) { return static_cast<int>(std::min(last, (top - v) * scale)); };
   const __m256 vtop = _mm256_set1_ps(top), vscale = _mm256_set1_ps(scale), vlast = _mm256_set1_ps(last),
                vneg = _mm256_set1_ps(neg_inf);
+  auto bin8 = [&](__m256 v) {
+    return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast));
+  };
   alignas(32) float w[8];
   alignas(32) int32_t at[8];
   for (i = 0; i + 8 <= V; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 massive = _mm256_cmp_ps(v, vneg, _CMP_GT_OQ);  // -inf and NaN weigh nothing
-    _mm256_store_ps(w, _mm256_and_ps(massive, exp8(_mm256_sub_ps(v, vtop))));
-    // min's second operand is taken for a NaN difference: such lanes land in the last bin
-    _mm256_store_si256(reinterpret_cast<__m256i*>(at),
-                       _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast)));
+    _mm256_store_ps(w, weight8(v, vtop));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at), bin8(v));
     for (int j = 0; j < 8; ++j) hist[at[j]] += w[j];
   }
   for (; i < V; ++i)
@@ -210,8 +217,7 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
   const __m256i vb = _mm256_set1_epi32(b);
   for (i = 0; i + 8 <= V; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256i bin = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast));
-    int hits = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bin, vb)),
+    int hits = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bin8(v), vb)),
                                                 _mm256_cmp_ps(v, vneg, _CMP_GT_OQ)));
     for (; hits; hits &= hits - 1) {
       const int64_t k = i + __builtin_ctz(hits);
@@ -237,12 +243,12 @@ bool in_nucleus(const float* x, int64_t V, float v, double p) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = row_max(x, V);
   if (!(v < top)) return true;  // the largest logit always stays
-  const __m256 vtop = _mm256_set1_ps(top), vv = _mm256_set1_ps(v), vneg = _mm256_set1_ps(neg_inf);
+  const __m256 vtop = _mm256_set1_ps(top), vv = _mm256_set1_ps(v);
   __m256d total = _mm256_setzero_pd(), above = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= V; i += 8) {
     const __m256 x8 = _mm256_loadu_ps(x + i);
-    const __m256 w = _mm256_and_ps(_mm256_cmp_ps(x8, vneg, _CMP_GT_OQ), exp8(_mm256_sub_ps(x8, vtop)));
+    const __m256 w = weight8(x8, vtop);
     const __m256 wa = _mm256_and_ps(_mm256_cmp_ps(x8, vv, _CMP_GT_OQ), w);
     total = _mm256_add_pd(total, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
                                                _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
