@@ -8,7 +8,9 @@ import torch
 from tianxia import LLM, BeamSearchParams, SamplingParams
 from tianxia.engine.output_processor import OutputProcessor, engine_params
 from tianxia.engine.sequence import Sequence
-from tianxia.layers.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p
+from tianxia.layers.sampler import (
+    NUCLEUS_BINS, NUCLEUS_SPAN, TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p,
+)
 from tianxia.quant.cpu_kernels import extension
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "My favourite season is"]
@@ -200,6 +202,43 @@ def test_the_kernels_top_k_floor_equals_a_full_sort():
         assert torch.equal((logits[i] >= floor[i]).nonzero().flatten(), expected), (k, p)
     no_k = kernels.top_k_floor(logits, torch.tensor([0, vocab] * (len(cases) // 2)), top_p)
     assert bool(torch.isneginf(no_k).all())
+
+
+def _hashed_race(x: torch.Tensor, key: tuple[int, int], floor: float) -> int:
+    """The kernels' draw computed for every logit, in float64: argmax of x + -log(-log u) over
+    the logits at or above the floor, u from the lowbias32 hash of (key, token id)."""
+    def mix(h: torch.Tensor) -> torch.Tensor:
+        m = 0xFFFFFFFF
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & m
+        h = h ^ (h >> 15)
+        h = (h * 0x846CA68B) & m
+        return h ^ (h >> 16)
+
+    ids = torch.arange(x.shape[0], dtype=torch.int64)
+    h = mix(mix(ids ^ key[0]) ^ key[1])
+    u = ((h >> 8).double() + 0.5) / 2 ** 24
+    score = x.double() - (-u.log()).log()
+    return int(score.masked_fill(x < floor, float("-inf")).argmax())
+
+
+def test_the_kernels_race_equals_the_race_over_every_logit():
+    # the kernel computes the noise only of logits that may still win, and draws a top-p row
+    # before it checks its nucleus: the tokens must be those of the full race over the nucleus
+    kernels = extension()
+    if kernels is None:
+        pytest.skip("the CPU kernels are not built here")
+    rows, vocab = 64, 4099  # a tail past the vectors of 8
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
+    keys = torch.randint(0, 2 ** 32, (rows, 2), generator=gen)
+    for p in (1.0, 0.9, 0.5):
+        top_p = torch.full((rows,), p)
+        floors = kernels.nucleus_floor(logits, top_p, NUCLEUS_BINS, NUCLEUS_SPAN) if p < 1 else \
+            torch.full((rows,), float("-inf"))
+        got = kernels.race_draw(logits, torch.full((rows,), float("-inf")), keys, top_p, NUCLEUS_BINS, NUCLEUS_SPAN)
+        want = [_hashed_race(logits[r], (int(keys[r, 0]), int(keys[r, 1])), float(floors[r])) for r in range(rows)]
+        assert got.tolist() == want, p
 
 
 
