@@ -9,7 +9,12 @@ from tianxia import LLM, BeamSearchParams, SamplingParams
 from tianxia.engine.output_processor import OutputProcessor, engine_params
 from tianxia.engine.sequence import Sequence
 from tianxia.layers.sampler import (
-    NUCLEUS_BINS, NUCLEUS_SPAN, TOP_P_CANDIDATES, Sampler, SamplingBatch, apply_top_k_top_p,
+    NUCLEUS_BINS,
+    NUCLEUS_SPAN,
+    TOP_P_CANDIDATES,
+    Sampler,
+    SamplingBatch,
+    apply_top_k_top_p,
 )
 from tianxia.quant.cpu_kernels import extension
 
