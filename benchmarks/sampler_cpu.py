@@ -34,6 +34,8 @@ SETTINGS = {
     "temperature 0.8, top-p 0.95": {"temperature": 0.8, "top_p": 0.95},
     "top-k 40, top-p 0.9": {"temperature": 0.8, "top_k": 40, "top_p": 0.9},
     "min-p 0.05": {"temperature": 1.0, "min_p": 0.05},
+    # llama.cpp's defaults (llama-server, llama-cli)
+    "top-k 40, top-p 0.95, min-p 0.05": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
 }
 
 

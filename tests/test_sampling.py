@@ -185,27 +185,42 @@ def test_truncation_among_the_largest_logits_equals_a_full_sort(cpu_kernels):
     assert [int((got[i] > float("-inf")).sum()) for i in range(len(widths))] == widths
 
 
+def _min_p_kept(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Which logits min-p keeps: p >= min_p * p_max, i.e. x >= max + ln(min_p) (float32, as the
+    engine computes the floor)."""
+    if min_p <= 0:
+        return torch.ones_like(x, dtype=torch.bool)
+    return x >= x.max() + torch.tensor(min_p).log()
+
+
 def test_the_kernels_top_k_floor_equals_a_full_sort():
     # top-k alone, top-k then top-p over the renormalized k (vLLM's order), a k past the first
-    # collection's doubling, and rows that keep 1 or all but one token
+    # collection's doubling, rows that keep 1 or all but one token, and min-p first (as vLLM
+    # applies it), with fewer tokens above its floor than the k or more
     kernels = extension()
     if kernels is None:
         pytest.skip("the CPU kernels are not built here")
     vocab = 49152
     gen = torch.Generator().manual_seed(3)
-    cases = [(1, 1.0), (40, 1.0), (40, 0.9), (50, 0.3), (1000, 0.95), (20000, 0.99), (vocab - 1, 1.0), (7, 0.0)]
+    cases = [(1, 1.0, 0.0), (40, 1.0, 0.0), (40, 0.9, 0.0), (50, 0.3, 0.0), (1000, 0.95, 0.0),
+             (20000, 0.99, 0.0), (vocab - 1, 1.0, 0.0), (7, 0.0, 0.0),
+             (40, 0.95, 0.05), (5, 1.0, 0.3), (1000, 0.9, 0.01), (200, 1.0, 0.002)]
     logits = (torch.randn(len(cases), vocab, generator=gen, dtype=torch.float64) * 3).float()
-    top_k = torch.tensor([k for k, _ in cases])
-    top_p = torch.tensor([p for _, p in cases])
-    floor = kernels.top_k_floor(logits, top_k, top_p)
-    for i, (k, p) in enumerate(cases):
-        values, order = logits[i].double().sort(descending=True)
+    top_k = torch.tensor([k for k, _, _ in cases])
+    top_p = torch.tensor([p for _, p, _ in cases])
+    min_p = torch.tensor([m for _, _, m in cases])
+    floor = kernels.top_k_floor(logits, top_k, top_p, min_p)
+    for i, (k, p, m) in enumerate(cases):
+        above = _min_p_kept(logits[i], m)
+        values, order = logits[i].double().masked_fill(~above, float("-inf")).sort(descending=True)
+        k = min(k, int(above.sum()))
         probs = values[:k].softmax(-1)
         kept = (probs.cumsum(0) - probs) < p
         kept[0] = True  # the largest logit always stays
         expected = order[:k][kept].sort().values
-        assert torch.equal((logits[i] >= floor[i]).nonzero().flatten(), expected), (k, p)
-    no_k = kernels.top_k_floor(logits, torch.tensor([0, vocab] * (len(cases) // 2)), top_p)
+        assert torch.equal((logits[i] >= floor[i]).nonzero().flatten(), expected), (k, p, m)
+    assert 0 < int(_min_p_kept(logits[9], 0.3).sum()) < 5  # the min-p row with fewer than its k
+    no_k = kernels.top_k_floor(logits, torch.tensor([0, vocab] * (len(cases) // 2)), top_p, min_p)
     assert bool(torch.isneginf(no_k).all())
 
 
@@ -227,9 +242,23 @@ def _hashed_race(x: torch.Tensor, key: tuple[int, int], floor: float) -> int:
     return int(score.masked_fill(x < floor, float("-inf")).argmax())
 
 
+def _nucleus_floor_by_sort(x: torch.Tensor, p: float, min_p: float) -> float:
+    """The smallest logit of the top-p nucleus of the distribution above min-p's floor: a full
+    sort and vLLM's rule (a token stays while the mass before it is below p), in float64."""
+    above = _min_p_kept(x, min_p)
+    values = x[above].double().sort(descending=True).values
+    if p >= 1:
+        return float(values[-1])
+    probs = values.softmax(-1)
+    kept = (probs.cumsum(0) - probs) < p
+    kept[0] = True
+    return float(values[kept][-1])
+
+
 def test_the_kernels_race_equals_the_race_over_every_logit():
-    # the kernel computes the noise only of logits that may still win, and draws a top-p row
-    # before it checks its nucleus: the tokens must be those of the full race over the nucleus
+    # the kernel computes the noise only of logits that may still win, draws a top-p row before
+    # it checks its nucleus, and finds min-p's floor itself: the tokens must be those of the full
+    # race over the nucleus of the distribution above that floor
     kernels = extension()
     if kernels is None:
         pytest.skip("the CPU kernels are not built here")
@@ -237,13 +266,13 @@ def test_the_kernels_race_equals_the_race_over_every_logit():
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
     keys = torch.randint(0, 2 ** 32, (rows, 2), generator=gen)
-    for p in (1.0, 0.9, 0.5):
-        top_p = torch.full((rows,), p)
-        floors = kernels.nucleus_floor(logits, top_p, NUCLEUS_BINS, NUCLEUS_SPAN) if p < 1 else \
-            torch.full((rows,), float("-inf"))
-        got = kernels.race_draw(logits, torch.full((rows,), float("-inf")), keys, top_p, NUCLEUS_BINS, NUCLEUS_SPAN)
-        want = [_hashed_race(logits[r], (int(keys[r, 0]), int(keys[r, 1])), float(floors[r])) for r in range(rows)]
-        assert got.tolist() == want, p
+    no_floor = torch.full((rows,), float("-inf"))
+    for p, m in ((1.0, 0.0), (0.9, 0.0), (0.5, 0.0), (1.0, 0.05), (0.9, 0.02), (0.5, 0.2)):
+        got = kernels.race_draw(logits, no_floor, keys, torch.full((rows,), p), torch.full((rows,), m),
+                                NUCLEUS_BINS, NUCLEUS_SPAN)
+        want = [_hashed_race(logits[r], (int(keys[r, 0]), int(keys[r, 1])), _nucleus_floor_by_sort(logits[r], p, m))
+                for r in range(rows)]
+        assert got.tolist() == want, (p, m)
 
 
 
@@ -271,6 +300,8 @@ def _unseeded_batch(rows: int, **params) -> SamplingBatch:
     {"top_k": 300, "top_p": 0.99},
     {"min_p": 0.002, "temperature": 0.9},  # most tokens above the floor
     {"min_p": 0.05},  # every token above the floor among the first candidates
+    {"min_p": 0.01, "top_p": 0.8},  # top-p over the distribution above min-p's floor
+    {"min_p": 0.02, "top_k": 30, "top_p": 0.9},
 ])
 @pytest.mark.parametrize("host_kernels", [True, False], ids=["cpu-kernels", "torch"])
 def test_unseeded_draws_match_the_truncated_softmax(kwargs, host_kernels):

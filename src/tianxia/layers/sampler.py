@@ -501,19 +501,20 @@ class Sampler:
         greedy_rows = greedy_cpu.to(logits.device, non_blocking=True)
         # the greedy rows' tokens first: what follows works in place on this step's logits
         greedy_tokens = logits.argmax(dim=-1) if bool(greedy_cpu.any()) else None
-        tokens = self.draw_truncated(Sampler.scaled(logits, batch), batch)
+        kernels = fused_ops(logits) if self.host_kernels else None
+        if kernels is not None:  # they take min-p's floor in their own passes over each row
+            tokens = self._race_in_nucleus(kernels, Sampler.scaled(logits, batch, min_p=False), batch)
+        else:
+            tokens = self.draw_truncated(Sampler.scaled(logits, batch), batch)
         if greedy_tokens is not None:
             tokens = torch.where(greedy_rows, greedy_tokens, tokens)
         return tokens.cpu()
 
     def draw_truncated(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """One token per sampled row from scaled logits under each row's top-k and top-p, by the
-        exponential race. Where the CPU kernels are built, one pass over each row races its
-        logits (at or above a top-k row's floor), with noise hashed from the row's key and the
-        token id as on the GPU (a seeded row's key from its seed and position, so its tokens do
-        not depend on the batch), and a second pass checks that a top-p row's winner is in its
-        nucleus (:meth:`_race_in_nucleus`). Otherwise, in torch, with a noise
-        per candidate where the candidates are few:
+        """One token per sampled row from scaled logits (min-p applied) under each row's top-k
+        and top-p, by the exponential race in torch, where the CPU kernels are not built
+        (:meth:`_race_in_nucleus` where they are), with a noise per candidate where the
+        candidates are few:
 
         - a row whose kept tokens are all among its largest logits races only those;
         - a row that keeps every token (temperature alone, or min-p, whose floor is already in the
@@ -525,9 +526,6 @@ class Sampler:
         by token id, whichever way it goes: its tokens are those of a race over the whole
         truncated row, in any batch. Greedy rows get 0 (the caller takes their argmax)."""
         rows, vocab = scaled.shape
-        kernels = fused_ops(scaled) if self.host_kernels else None
-        if kernels is not None:
-            return self._race_in_nucleus(kernels, scaled, batch)
         nucleus = None
         if batch.any_top_k or batch.any_top_p:
             top_k, top_p = _truncation(batch)
@@ -574,25 +572,32 @@ class Sampler:
         return tokens
 
     def _race_in_nucleus(self, kernels: Any, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The CPU kernels' race: a row with a top-k keeps the logits at or above the smallest its
-        top-k and top-p keep (``top_k_floor``, one pass over the row); a row with top-p alone is
-        truncated by the race, which finds the nucleus only when its winner is not in it."""
+        """The CPU kernels' race over scaled logits (min-p not applied): one pass over each row
+        races its logits, with noise hashed from the row's key and the token id as on the GPU (a
+        seeded row's key from its seed and position, so its tokens do not depend on the batch).
+        Min-p's floor is the row's largest logit plus ln(min_p), found by the kernels; a row with
+        a top-k keeps the logits at or above the smallest its min-p, top-k and top-p keep
+        (``top_k_floor``, one pass over the row); a row with top-p alone is truncated by the race,
+        which finds the nucleus (of the distribution above min-p's floor) only when its winner is
+        not in it."""
         rows, vocab = scaled.shape
         floor = torch.full((rows,), float("-inf"))
         top_p = torch.ones(rows)
+        min_p = batch.min_p  # 0 where a row has none
         if batch.any_top_k or batch.any_top_p:
             top_k, p = _truncation(batch)
             has_k = (top_k > 0) & (top_k < vocab)
             top_p = torch.where(has_k, 1.0, p)
             if bool(has_k.any()):
-                floor = kernels.top_k_floor(scaled, torch.where(has_k, top_k, 0), p)
+                floor = kernels.top_k_floor(scaled, torch.where(has_k, top_k, 0), p, min_p)
         keys = row_keys(self.keys, batch.seeds, batch.steps)
         sampled = batch.temperature != 0
         if bool(sampled.all()):
-            return kernels.race_draw(scaled, floor, keys, top_p, NUCLEUS_BINS, NUCLEUS_SPAN)
+            return kernels.race_draw(scaled, floor, keys, top_p, min_p, NUCLEUS_BINS, NUCLEUS_SPAN)
         tokens = torch.zeros(rows, dtype=torch.int64)
         at = sampled.nonzero().flatten()
-        tokens[at] = kernels.race_draw(scaled[at], floor[at], keys[at], top_p[at], NUCLEUS_BINS, NUCLEUS_SPAN)
+        tokens[at] = kernels.race_draw(scaled[at], floor[at], keys[at], top_p[at], min_p[at], NUCLEUS_BINS,
+                                       NUCLEUS_SPAN)
         return tokens
 
     def _race_candidates(self, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -612,11 +617,12 @@ class Sampler:
         return self.device_kernels
 
     @staticmethod
-    def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Logits divided by each row's temperature, min-p's floor applied (in place)."""
+    def scaled(logits: torch.Tensor, batch: SamplingBatch, min_p: bool = True) -> torch.Tensor:
+        """Logits divided by each row's temperature, and min-p's floor applied where ``min_p``
+        (in place)."""
         temp = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
         scaled = logits.div_(temp.to(logits.device)[:, None]) if bool((temp != 1).any()) else logits
-        if batch.any_min_p:
+        if min_p and batch.any_min_p:
             apply_min_p(scaled, batch.min_p.to(logits.device))
         return scaled
 

@@ -13,10 +13,10 @@
 using namespace tianxia;
 
 void bind_decoder(pybind11::module& m);
-torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys, torch::Tensor top_p, int64_t bins,
-                        double span);
+torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys, torch::Tensor top_p,
+                        torch::Tensor min_p, int64_t bins, double span);
 torch::Tensor nucleus_floor(torch::Tensor x, torch::Tensor top_p, int64_t bins, double span);
-torch::Tensor top_k_floor(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p);
+torch::Tensor top_k_floor(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p);
 
 namespace {
 
@@ -228,9 +228,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_act", &gated_act, release, "silu(gate) * up, or gelu_tanh(gate) * up");
   m.def("paged_decode", &paged_decode, release, "attention of query tokens over paged K/V, one position each");
   m.def("nucleus_floor", &nucleus_floor, release, "the smallest logit of each row's top-p nucleus, without a sort");
-  m.def("top_k_floor", &top_k_floor, release, "the smallest logit each row keeps under its top-k and top-p");
+  m.def("top_k_floor", &top_k_floor, release, "the smallest logit each row keeps under its min-p, top-k and top-p");
   m.def("race_draw", &race_draw, release,
-        "the sampler's draw: a token per row among its logits at or above a floor and in its top-p nucleus");
+        "the sampler's draw: a token per row among its logits at or above a floor and its min-p floor, in its "
+        "top-p nucleus");
   m.def("best_cpu_isa", &best_cpu_isa, "the best kernel variant this CPU runs: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8");
   m.def("set_cpu_isa", &set_cpu_isa, "use variant isa (clamped to the CPU's best): AVX-512 for products of at "
         "least min_rows rows, AMX for at least amx_min_rows (< 0: unchanged); returns the variant in use",

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <utility>
@@ -172,15 +173,22 @@ inline float row_max(const float* x, int64_t V) {
 // e^x by exp8's arithmetic, for the few weights taken one at a time: a token's weight is one number
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
-// the weights e^(x - top) of 8 logits; -inf and NaN weigh nothing
-inline __m256 weight8(__m256 x, __m256 vtop) {
-  const __m256 massive = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_GT_OQ);
-  return _mm256_and_ps(massive, exp8(_mm256_sub_ps(x, vtop)));
+// the lowest logit a row weighs: its min-p floor, max + ln(min_p) (min_p: 0 for none), and never
+// -inf, so that one compare, x >= low, leaves out -inf and NaN too
+inline float weighed_low(float top, float min_p) {
+  const float low = min_p > 0.f ? top + std::log(min_p) : -std::numeric_limits<float>::infinity();
+  return std::max(low, std::numeric_limits<float>::lowest());
 }
 
-// the smallest logit of a row's top-p nucleus over its whole distribution (see nucleus_floor): one
-// vectorized pass takes each logit's weight and bin, and only the scatter into the bins is scalar
-float row_floor(const float* x, int64_t V, double p, int bins, float span, std::vector<double>& hist,
+// the weights e^(x - top) of 8 logits; those below low (-inf and NaN among them) weigh nothing
+inline __m256 weight8(__m256 x, __m256 vtop, __m256 vlow) {
+  return _mm256_and_ps(_mm256_cmp_ps(x, vlow, _CMP_GE_OQ), exp8(_mm256_sub_ps(x, vtop)));
+}
+
+// the smallest logit of a row's top-p nucleus over its distribution (see nucleus_floor), the
+// logits below `low` (weighed_low) left out: one vectorized pass takes each logit's weight and
+// bin, and only the scatter into the bins is scalar
+float row_floor(const float* x, int64_t V, double p, float low, int bins, float span, std::vector<double>& hist,
                 std::vector<std::pair<float, int64_t>>& in_bin) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float top = row_max(x, V);
@@ -192,7 +200,7 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
   // operand is taken for a NaN difference: such lanes land in the last bin
   auto bin_of = [&](float v) { return static_cast<int>(std::min(last, (top - v) * scale)); };
   const __m256 vtop = _mm256_set1_ps(top), vscale = _mm256_set1_ps(scale), vlast = _mm256_set1_ps(last),
-               vneg = _mm256_set1_ps(neg_inf);
+               vlow = _mm256_set1_ps(low);
   auto bin8 = [&](__m256 v) {
     return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(vtop, v), vscale), vlast));
   };
@@ -200,12 +208,12 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
   alignas(32) int32_t at[8];
   for (i = 0; i + 8 <= V; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    _mm256_store_ps(w, weight8(v, vtop));
+    _mm256_store_ps(w, weight8(v, vtop, vlow));
     _mm256_store_si256(reinterpret_cast<__m256i*>(at), bin8(v));
     for (int j = 0; j < 8; ++j) hist[at[j]] += w[j];
   }
   for (; i < V; ++i)
-    if (x[i] > neg_inf) hist[bin_of(x[i])] += exp1(x[i] - top);
+    if (x[i] >= low) hist[bin_of(x[i])] += exp1(x[i] - top);
   double total = 0;
   for (int b = 0; b < bins; ++b) total += hist[b];
   const double want = p * total;
@@ -218,14 +226,14 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
   for (i = 0; i + 8 <= V; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     int hits = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bin8(v), vb)),
-                                                _mm256_cmp_ps(v, vneg, _CMP_GT_OQ)));
+                                                _mm256_cmp_ps(v, vlow, _CMP_GE_OQ)));
     for (; hits; hits &= hits - 1) {
       const int64_t k = i + __builtin_ctz(hits);
       in_bin.emplace_back(x[k], k);
     }
   }
   for (; i < V; ++i)
-    if (x[i] > neg_inf && bin_of(x[i]) == b) in_bin.emplace_back(x[i], i);
+    if (x[i] >= low && bin_of(x[i]) == b) in_bin.emplace_back(x[i], i);
   if (in_bin.empty()) return neg_inf;
   std::sort(in_bin.begin(), in_bin.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
   float floor = in_bin[0].first;  // the bin holds the crossing token: its largest logit stays
@@ -238,17 +246,16 @@ float row_floor(const float* x, int64_t V, double p, int bins, float span, std::
 }
 
 // whether a row's top-p nucleus keeps logit v: the mass of the logits above it is below p (the
-// sort's rule, with ties kept, as row_floor's; the same weights, summed in double)
-bool in_nucleus(const float* x, int64_t V, float v, double p) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  float top = row_max(x, V);
+// sort's rule, with ties kept, as row_floor's; the same weights, summed in double, those below
+// `low` left out)
+bool in_nucleus(const float* x, int64_t V, float v, double p, float top, float low) {
   if (!(v < top)) return true;  // the largest logit always stays
-  const __m256 vtop = _mm256_set1_ps(top), vv = _mm256_set1_ps(v);
+  const __m256 vtop = _mm256_set1_ps(top), vv = _mm256_set1_ps(v), vlow = _mm256_set1_ps(low);
   __m256d total = _mm256_setzero_pd(), above = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i + 8 <= V; i += 8) {
     const __m256 x8 = _mm256_loadu_ps(x + i);
-    const __m256 w = weight8(x8, vtop);
+    const __m256 w = weight8(x8, vtop, vlow);
     const __m256 wa = _mm256_and_ps(_mm256_cmp_ps(x8, vv, _CMP_GT_OQ), w);
     total = _mm256_add_pd(total, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(w)),
                                                _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1))));
@@ -261,7 +268,7 @@ bool in_nucleus(const float* x, int64_t V, float v, double p) {
   double sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
   double sum_above = lanes_above[0] + lanes_above[1] + lanes_above[2] + lanes_above[3];
   for (; i < V; ++i) {
-    if (!(x[i] > neg_inf)) continue;
+    if (!(x[i] >= low)) continue;
     const double w = exp1(x[i] - top);
     sum += w;
     if (x[i] > v) sum_above += w;
@@ -270,12 +277,14 @@ bool in_nucleus(const float* x, int64_t V, float v, double p) {
 }
 
 // the smallest logit a row keeps under top-k `k` (0 < k < V) and then top-p `p` over the
-// distribution renormalized to the k (as vLLM): the k largest logits collected in one pass, a
-// logit taken only above the k-th largest among those collected so far, the collection cut back to
-// k (nth_element) whenever it doubles
-float row_top_k_floor(const float* x, int64_t V, int64_t k, double p, std::vector<float>& kept) {
+// distribution renormalized to the k (as vLLM), among its logits at or above `low` (weighed_low:
+// min-p comes first, as in vLLM): the k largest logits collected in one pass, a logit taken only
+// above the k-th largest among those collected so far, the collection cut back to k (nth_element)
+// whenever it doubles
+float row_top_k_floor(const float* x, int64_t V, int64_t k, double p, float low, std::vector<float>& kept) {
   kept.clear();
-  float bar = -std::numeric_limits<float>::infinity();  // -inf and NaN never enter
+  // x > bar is x >= low until the first cut (-inf and NaN never enter)
+  float bar = std::nextafter(low, -std::numeric_limits<float>::infinity());
   auto cut = [&]() {
     std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), std::greater<float>());
     kept.resize(k);
@@ -309,26 +318,33 @@ float row_top_k_floor(const float* x, int64_t V, int64_t k, double p, std::vecto
 
 }  // namespace
 
-// [R] the smallest logit each row keeps under its top-k (top_k: [R] int64, 0 or >= V for none:
-// -inf) and then its top-p (top_p: [R] float32) over the distribution renormalized to those k, in
-// one pass over the row instead of a sort or a topk. Ties with the last kept logit are kept too.
-torch::Tensor top_k_floor(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p) {
+// [R] the smallest logit each row keeps under its min-p (min_p: [R] float32, 0 for none), then
+// its top-k (top_k: [R] int64, 0 or >= V for none: -inf) and then its top-p (top_p: [R] float32)
+// over the distribution renormalized to those k, in one pass over the row (two with a min-p)
+// instead of a sort or a topk. Ties with the last kept logit are kept too.
+torch::Tensor top_k_floor(torch::Tensor x, torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [R, V]");
   x = x.contiguous();
   top_k = top_k.to(torch::kInt64).contiguous();
   top_p = top_p.to(torch::kFloat32).contiguous();
+  min_p = min_p.to(torch::kFloat32).contiguous();
   const int64_t R = x.size(0), V = x.size(1);
-  TORCH_CHECK(top_k.numel() == R && top_p.numel() == R, "top_k [R] and top_p [R] for ", R, " rows");
+  TORCH_CHECK(top_k.numel() == R && top_p.numel() == R && min_p.numel() == R,
+              "top_k [R], top_p [R] and min_p [R] for ", R, " rows");
   auto out = torch::empty({R}, x.options());
   const float* px = x.data_ptr<float>();
   const int64_t* pk = top_k.data_ptr<int64_t>();
   const float* pp = top_p.data_ptr<float>();
+  const float* pm = min_p.data_ptr<float>();
   float* po = out.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> kept;
-    for (int64_t r = r0; r < r1; ++r)
-      po[r] = pk[r] > 0 && pk[r] < V ? row_top_k_floor(px + r * V, V, pk[r], pp[r], kept)
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = px + r * V;
+      const float low = weighed_low(pm[r] > 0.f ? row_max(row, V) : 0.f, pm[r]);
+      po[r] = pk[r] > 0 && pk[r] < V ? row_top_k_floor(row, V, pk[r], pp[r], low, kept)
                                      : -std::numeric_limits<float>::infinity();
+    }
   });
   return out;
 }
@@ -352,37 +368,41 @@ torch::Tensor nucleus_floor(torch::Tensor x, torch::Tensor top_p, int64_t bins, 
     std::vector<double> hist;
     std::vector<std::pair<float, int64_t>> in_bin;
     for (int64_t r = r0; r < r1; ++r)
-      po[r] = row_floor(px + r * V, V, pp[r], static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
+      po[r] = row_floor(px + r * V, V, pp[r], weighed_low(0.f, 0.f), static_cast<int>(bins), static_cast<float>(span),
+                        hist, in_bin);
   });
   return out;
 }
 
 // One token per row of x [R, V] (float32 logits, temperature applied, -inf where excluded): the
-// race over the logits at or above floor[r] ([R] float32) and within the row's top-p nucleus
-// (top_p: [R] float32, 1 for none; the nucleus of the whole row's distribution, as
-// nucleus_floor's, with `bins` and `span`), noise keyed by keys[r] ([R, 2] int64: the two 32-bit
-// halves of the row's 64-bit key). Returns [R] int64.
+// race over the logits at or above floor[r] ([R] float32) and at or above the row's min-p floor
+// (min_p: [R] float32, 0 for none; max + ln(min_p)), and within the row's top-p nucleus (top_p:
+// [R] float32, 1 for none; the nucleus of the distribution above the min-p floor, found as
+// nucleus_floor finds it, with `bins` and `span`), noise keyed by keys[r] ([R, 2] int64: the two
+// 32-bit halves of the row's 64-bit key). Returns [R] int64.
 //
 // A top-p row races first and asks afterwards: the winner of the race over the whole row is the
 // winner over any set that holds it, and it is in the nucleus when the mass above its logit is
 // below p, one pass over the row. Only a row whose winner fell in the tail (1 - p of the time)
 // finds its floor and races again, with the same noise.
-torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys, torch::Tensor top_p, int64_t bins,
-                        double span) {
+torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys, torch::Tensor top_p,
+                        torch::Tensor min_p, int64_t bins, double span) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [R, V]");
   TORCH_CHECK(x.size(1) < (int64_t(1) << 31), "a vocabulary of 2^31 tokens or more");
   x = x.contiguous();
   floor = floor.to(torch::kFloat32).contiguous();
   keys = keys.to(torch::kInt64).contiguous();
   top_p = top_p.to(torch::kFloat32).contiguous();
+  min_p = min_p.to(torch::kFloat32).contiguous();
   const int64_t R = x.size(0), V = x.size(1);
-  TORCH_CHECK(floor.numel() == R && keys.numel() == 2 * R && top_p.numel() == R,
-              "floor [R], keys [R, 2] and top_p [R] for ", R, " rows");
+  TORCH_CHECK(floor.numel() == R && keys.numel() == 2 * R && top_p.numel() == R && min_p.numel() == R,
+              "floor [R], keys [R, 2], top_p [R] and min_p [R] for ", R, " rows");
   auto out = torch::empty({R}, x.options().dtype(torch::kInt64));
   const float* px = x.data_ptr<float>();
   const float* pf = floor.data_ptr<float>();
   const int64_t* pk = keys.data_ptr<int64_t>();
   const float* pp = top_p.data_ptr<float>();
+  const float* pm = min_p.data_ptr<float>();
   int64_t* po = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<double> hist;
@@ -390,10 +410,14 @@ torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = px + r * V;
       const auto lo = static_cast<uint32_t>(pk[2 * r]), hi = static_cast<uint32_t>(pk[2 * r + 1]);
-      int64_t at = race_row(row, V, pf[r], lo, hi);
-      if (pp[r] < 1.f && !in_nucleus(row, V, row[at], pp[r])) {
-        const float nucleus = row_floor(row, V, pp[r], static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
-        at = race_row(row, V, std::max(pf[r], nucleus), lo, hi);
+      const float top = pm[r] > 0.f || pp[r] < 1.f ? row_max(row, V) : 0.f;
+      const float low = weighed_low(top, pm[r]);
+      const float kept = pm[r] > 0.f ? std::max(pf[r], low) : pf[r];
+      int64_t at = race_row(row, V, kept, lo, hi);
+      if (pp[r] < 1.f && !in_nucleus(row, V, row[at], pp[r], top, low)) {
+        const float nucleus =
+            row_floor(row, V, pp[r], low, static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
+        at = race_row(row, V, std::max(kept, nucleus), lo, hi);
       }
       po[r] = at;
     }
