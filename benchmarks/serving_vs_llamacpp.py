@@ -4,8 +4,8 @@
 For each engine in turn (never both at once: on a small machine they would fight for the cores):
 start its HTTP server on a free local port, run the same random workload (default 128 prompt
 tokens / 64 output tokens, exact lengths via ignore_eos) at each concurrency (default 1, 4, 16)
-with ``tianxia bench``'s sweep (greedy unless ``--temperature``/``--top-p`` are given), stop the
-server. Then write the side-by-side table with ratios.
+with ``tianxia bench``'s sweep (greedy unless ``--temperature``, ``--top-p``, ``--top-k`` or
+``--min-p`` are given), stop the server. Then write the side-by-side table with ratios.
 
     benchmarks/build_llama_server.sh                       # once, builds /work/llama.cpp-build
     python benchmarks/serving_vs_llamacpp.py               # -> benchmarks/results/serving/<date>/
@@ -110,6 +110,10 @@ def main() -> int:
                     help="sampling temperature sent with every request (0 = greedy)")
     ap.add_argument("--top-p", type=float, default=None,
                     help="top_p sent with every request (default: not sent, the server's own)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="top_k sent with every request (default: not sent, the server's own)")
+    ap.add_argument("--min-p", type=float, default=None,
+                    help="min_p sent with every request (default: not sent, the server's own)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure every engine this many times, alternating which goes first; "
                          "each point reports the best round (default: %(default)s)")
@@ -147,10 +151,12 @@ def main() -> int:
                               endpoint="completions")
     served_name = args.model
 
+    truncation = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p))
+                  if v is not None}
+
     def sweep(label: str, base: str) -> dict:
         client = ClientConfig(base_url=base, model=served_name, endpoint="completions", seed=0,
-                              temperature=args.temperature,
-                              extra_body={} if args.top_p is None else {"top_p": args.top_p})
+                              temperature=args.temperature, extra_body=truncation)
 
         def on_point(pt):
             s = pt["summary"]
@@ -179,7 +185,7 @@ def main() -> int:
             out / "tianxia"))
     meta = {"date": dt.datetime.now().isoformat(timespec="seconds"), "host": host_info(),
             "model": str(gguf), "threads": args.threads, "rounds": args.rounds,
-            "temperature": args.temperature, "top_p": args.top_p,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
             "load_before": loadavg(), "load_per_run": []}
     if not args.skip_llama:
         meta["llama_server"] = llama_version(args.llama_server)
@@ -205,7 +211,7 @@ def main() -> int:
     meta["load_after"] = loadavg()
 
     sampling = ("greedy" if args.temperature == 0 else f"temperature {args.temperature}"
-                + ("" if args.top_p is None else f", top_p {args.top_p}"))
+                + "".join(f", {k} {v}" for k, v in truncation.items()))
     md = [(f"Model `{gguf.name}`, {args.input_len} prompt / {args.output_len} output tokens "
            f"(random, exact lengths), {sampling}, {args.threads} threads each, one engine at a time, "
            f"{args.rounds} rounds in ABBA order, best round per point. "
