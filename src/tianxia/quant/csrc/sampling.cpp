@@ -186,12 +186,11 @@ inline __m256 weight8(__m256 x, __m256 vtop, __m256 vlow) {
 }
 
 // the smallest logit of a row's top-p nucleus over its distribution (see nucleus_floor), the
-// logits below `low` (weighed_low) left out: one vectorized pass takes each logit's weight and
-// bin, and only the scatter into the bins is scalar
-float row_floor(const float* x, int64_t V, double p, float low, int bins, float span, std::vector<double>& hist,
-                std::vector<std::pair<float, int64_t>>& in_bin) {
+// logits below `low` (weighed_low) left out, `top` the row's largest (row_max): one vectorized
+// pass takes each logit's weight and bin, and only the scatter into the bins is scalar
+float row_floor(const float* x, int64_t V, double p, float top, float low, int bins, float span,
+                std::vector<double>& hist, std::vector<std::pair<float, int64_t>>& in_bin) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const float top = row_max(x, V);
   if (!(top > neg_inf)) return top;
   int64_t i;
   hist.assign(bins, 0.0);
@@ -367,9 +366,11 @@ torch::Tensor nucleus_floor(torch::Tensor x, torch::Tensor top_p, int64_t bins, 
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<double> hist;
     std::vector<std::pair<float, int64_t>> in_bin;
-    for (int64_t r = r0; r < r1; ++r)
-      po[r] = row_floor(px + r * V, V, pp[r], weighed_low(0.f, 0.f), static_cast<int>(bins), static_cast<float>(span),
-                        hist, in_bin);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = px + r * V;
+      po[r] = row_floor(row, V, pp[r], row_max(row, V), weighed_low(0.f, 0.f), static_cast<int>(bins),
+                        static_cast<float>(span), hist, in_bin);
+    }
   });
   return out;
 }
@@ -412,11 +413,11 @@ torch::Tensor race_draw(torch::Tensor x, torch::Tensor floor, torch::Tensor keys
       const auto lo = static_cast<uint32_t>(pk[2 * r]), hi = static_cast<uint32_t>(pk[2 * r + 1]);
       const float top = pm[r] > 0.f || pp[r] < 1.f ? row_max(row, V) : 0.f;
       const float low = weighed_low(top, pm[r]);
-      const float kept = pm[r] > 0.f ? std::max(pf[r], low) : pf[r];
+      const float kept = std::max(pf[r], low);  // -inf logits, which never win a race, left out
       int64_t at = race_row(row, V, kept, lo, hi);
       if (pp[r] < 1.f && !in_nucleus(row, V, row[at], pp[r], top, low)) {
         const float nucleus =
-            row_floor(row, V, pp[r], low, static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
+            row_floor(row, V, pp[r], top, low, static_cast<int>(bins), static_cast<float>(span), hist, in_bin);
         at = race_row(row, V, std::max(kept, nucleus), lo, hi);
       }
       po[r] = at;
