@@ -109,14 +109,14 @@ PACKED_SHAPES = [(QT.Q4_0, 44, 512), (QT.Q4_1, 77, 576), (QT.Q5_0, 50, 576), (QT
 @pytest.mark.parametrize("half", [True, False], ids=["fp16 scales", "fp32 scales"])
 @pytest.mark.parametrize(("qtype", "n", "k"), PACKED_SHAPES, ids=lambda v: v.name if isinstance(v, QT) else str(v))
 def test_avx512_hex_products_are_bit_exact_with_avx2(qtype, n, k, half, isa_level):
-    """From 17 activation rows the AVX-512 variant widens 16 weight rows at a time for vpdpbusd on
+    """From 9 activation rows the AVX-512 variant widens 16 weight rows at a time for vpdpbusd on
     512-bit vectors (8-bit codes offset by 128, each sum started from -128 times the activations'):
     every row count around its thresholds and tiles, with and without bias, against AVX2."""
     packed = _packed(qtype, n, k, half, seed=n)
     g = torch.Generator().manual_seed(k)
     x = torch.randn(max(AMX_ROWS), k, generator=g) * torch.rand(max(AMX_ROWS), 1, generator=g) * 4
     bias = torch.randn(n, generator=g)
-    for m in (*AMX_ROWS, 5, 6, 7, 8, 9):
+    for m in (*AMX_ROWS, 5, 6, 7, 8, 9, 10, 12):
         for b in (None, bias):
             ext.set_cpu_isa(0, 1)
             want = cpu_kernels.packed_linear(x[:m], packed, b, True)

@@ -232,15 +232,15 @@ struct TableFactors {
   }
 };
 
-// Prefetches of what a later step of a product of a few rows reads: per block, its share of two
-// contiguous regions (the next quads' code rows, which follow these in memory, and their
-// quad_scale_table entries), so that the short rows of such products (28 blocks at K = 896)
+// Prefetches of what a later step of a product of a few rows reads: per block, its share of up to
+// three contiguous regions (the next quads' code rows, which follow these in memory, and their
+// quad_scale_table entries; or a later hex's code rows, scales and mins), so that the short rows of such products (28 blocks at K = 896)
 // do not wait on memory at the start of each step. Loads of no register: the results do not change.
 struct Ahead {
-  const char* p[2] = {nullptr, nullptr};
-  int64_t step[2] = {0, 0};  // bytes per block
+  const char* p[3] = {nullptr, nullptr, nullptr};
+  int64_t step[3] = {0, 0, 0};  // bytes per block
   inline void at(int64_t b) const {
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 3; ++i) {
       if (!p[i]) continue;
       const char* s = p[i] + b * step[i];
       const uintptr_t first = reinterpret_cast<uintptr_t>(s) & ~uintptr_t(63);
@@ -454,10 +454,14 @@ inline __m256i block_codes(const uint8_t* row, int64_t b) {
   }
 }
 
+// hexes ahead whose packed rows widen_hexes() fetches while widening one (fetch: decode steps,
+// whose weights stream from memory once)
+constexpr int64_t kAheadHexes = 2;
+
 // weight rows n0..n0+rows-1 in tile layout (missing rows of the last hex: zero codes and factors;
 // UNSIGNED: 8-bit codes plus 128, for vpdpbusd's unsigned operand)
 template <int BITS, typename S, bool UNSIGNED = false>
-void widen_hexes(const Packed& w, int64_t n0, int64_t rows, HexTile& t) {
+void widen_hexes(const Packed& w, int64_t n0, int64_t rows, HexTile& t, bool fetch = false) {
   const int64_t nb = w.K / 32, hexes = (rows + 15) / 16;
   t.rows = rows;
   t.codes.resize(hexes * nb * kHexCodes);
@@ -468,7 +472,23 @@ void widen_hexes(const Packed& w, int64_t n0, int64_t rows, HexTile& t) {
     const uint8_t* row[16];
     for (int j = 0; j < 16; ++j) row[j] = j < left ? w.qs + (first + j) * w.row_bytes() : nullptr;
     uint8_t* c = t.codes.data() + x * nb * kHexCodes;
+    Ahead ahead;
+    if (fetch) {
+      const int64_t later = first + 16 * kAheadHexes, count = std::min<int64_t>(16, w.N - later);
+      if (count > 0) {
+        const int64_t G = w.groups * (int64_t)sizeof(S);
+        ahead.p[0] = reinterpret_cast<const char*>(w.qs + later * w.row_bytes());
+        ahead.step[0] = (count * w.row_bytes() + nb - 1) / nb;
+        ahead.p[1] = static_cast<const char*>(w.scales) + later * G;
+        ahead.step[1] = (count * G + nb - 1) / nb;
+        if (w.mins) {
+          ahead.p[2] = static_cast<const char*>(w.mins) + later * G;
+          ahead.step[2] = ahead.step[1];
+        }
+      }
+    }
     for (int64_t b = 0; b < nb; ++b) {
+      if (fetch) ahead.at(b);
       // 16 rows x 8 units of 4 codes, transposed: unit q of every row is B row q % 4 of half q / 4
       __m256i lo[8], hi[8];
       for (int j = 0; j < 8; ++j) {
@@ -691,9 +711,13 @@ inline int64_t tile_rows(int64_t N, int64_t K, int64_t threads, int64_t multiple
   return std::max<int64_t>(multiple, ((N + least - 1) / least + multiple - 1) / multiple * multiple);
 }
 
-// up to this many activation rows (decode steps) each quad's codes are unpacked in registers for
-// every panel; more rows widen tiles that stay in L2 while every row passes over them
-constexpr int64_t kFewRows = 2 * kTileRows;
+// Up to this many activation rows each quad's codes are unpacked in registers for every panel;
+// more widen tiles (hexes with AVX-512 VNNI) that every row then passes over. With the packed rows
+// of the hexes ahead fetched while one widens, hexes took a decode step of 10-16 rows where
+// weights stream from memory (AMD EPYC Zen 4, 2 threads: SmolLM2 at 16 rows 24-32 -> 18-26 ms,
+// at 10 rows 22-23 -> 15-17 ms; Qwen2.5-0.5B at 16 rows 72 -> 41-56 ms, the same tokens), about
+// level at 6-8 and slower at 4; a second panel of codes unpacked again costs more than widening.
+constexpr int64_t kFewRows = 8;
 
 template <int BITS, bool MINS, typename S>
 void product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
@@ -728,9 +752,9 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
   }
 #ifdef TIANXIA_VNNI
   // Many rows widen hexes instead of quad tiles where the CPU has AVX-512 VNNI: 1.4x the prompt
-  // tokens a second of SmolLM2 on an AMD EPYC of the Zen 4 generation. (In decode steps of 6-16
-  // rows, whose weights stream from memory, they lost to the codes unpacked in registers: 25
-  // against 20 ms a step of 8 rows, though up to 2x faster on a weight held in cache.)
+  // tokens a second of SmolLM2 on an AMD EPYC of the Zen 4 generation, and the batched decode
+  // steps of 9-16 rows (see kFewRows). Without the packed rows fetched ahead, such steps, whose
+  // weights stream from memory, lost to the codes unpacked in registers.
   if (BITS != 8 || !has_min_code(a)) {
     // 8-bit codes: each half block's sum starts from -128 times the sum of its activation codes
     thread_local std::vector<int32_t> starts;
@@ -748,12 +772,15 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
       });
     }
     const int32_t* start = BITS == 8 ? starts.data() : nullptr;
+    // a step of a few rows reads each weight once and waits on memory; a prompt's rows pass over
+    // each widened tile many times, and the fetches did not pay there (SmolLM2, 2,048 rows)
+    const bool fetch = M <= 2 * kTileRows;
     const int64_t tile = tile_rows(N, K, threads, 16), tiles = (N + tile - 1) / tile;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       thread_local HexTile t;
       for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
         const int64_t n0 = i * tile;
-        widen_hexes<BITS, S, true>(w, n0, std::min(tile, N - n0), t);
+        widen_hexes<BITS, S, true>(w, n0, std::min(tile, N - n0), t, fetch);
         for (int64_t c = 0; c < full; ++c)
           hex_outputs<R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N, start);
         with_rest(rest, [&](auto mr) {
