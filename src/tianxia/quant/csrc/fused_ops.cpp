@@ -20,8 +20,21 @@ void rms_norm_rows(const float* x, const float* res, float* sum_out, float* out,
         for (int64_t i = 0; i < H; ++i) s[i] = h[i] + r[i];
         h = s;
       }
+      // the sum of squares in two vectors of partial sums: a single float sum is a chain of
+      // dependent adds, 4 cycles an element (SmolLM2's 61 norms of a 16-row step: 0.46 -> 0.20 ms;
+      // a prompt step of 2,048 rows, three alternating pairs: 887-989 against 950-1,191 ms)
       float ss = 0.f;
-      for (int64_t i = 0; i < H; ++i) ss += h[i] * h[i];
+      int64_t i = 0;
+      if (H >= 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; i + 16 <= H; i += 16) {
+          const __m256 x0 = _mm256_loadu_ps(h + i), x1 = _mm256_loadu_ps(h + i + 8);
+          a0 = _mm256_fmadd_ps(x0, x0, a0);
+          a1 = _mm256_fmadd_ps(x1, x1, a1);
+        }
+        ss = hsum(_mm256_add_ps(a0, a1));
+      }
+      for (; i < H; ++i) ss += h[i] * h[i];
       const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
       float* o = out + t * H;
       for (int64_t i = 0; i < H; ++i) o[i] = (h[i] * inv) * (offset + w[i]);
