@@ -105,6 +105,42 @@ void quad_factors(const Packed& w, int64_t n0, int64_t rows, float* f) {
       }
 }
 
+// Prefetches of what a later step of a product of a few rows reads: per block, its share of up to
+// three contiguous regions (the next quads' code rows, which follow these in memory, and their
+// quad_scale_table entries; or later weight rows' codes, scales and mins: rows()), so that the
+// short rows of such products (28 blocks at K = 896) do not wait on memory at the start of each
+// step. Loads of no register: the results do not change.
+struct Ahead {
+  const char* p[3] = {nullptr, nullptr, nullptr};
+  int64_t step[3] = {0, 0, 0};  // bytes per block
+  inline void at(int64_t b) const {
+    for (int i = 0; i < 3; ++i) {
+      if (!p[i]) continue;
+      const char* s = p[i] + b * step[i];
+      const uintptr_t first = reinterpret_cast<uintptr_t>(s) & ~uintptr_t(63);
+      for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(s + step[i]); a += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
+    }
+  }
+  // weight rows n..n+count-1 of w (none where count <= 0): their packed codes, scales and mins,
+  // a 1/parts share of each at every at(0..parts-1)
+  template <typename S>
+  static Ahead rows(const Packed& w, int64_t n, int64_t count, int64_t parts) {
+    Ahead a;
+    if (count <= 0) return a;
+    const int64_t codes = count * w.row_bytes(), scales = count * w.groups * (int64_t)sizeof(S);
+    a.p[0] = reinterpret_cast<const char*>(w.qs + n * w.row_bytes());
+    a.step[0] = (codes + parts - 1) / parts;
+    a.p[1] = static_cast<const char*>(w.scales) + n * w.groups * (int64_t)sizeof(S);
+    a.step[1] = (scales + parts - 1) / parts;
+    if (w.mins) {
+      a.p[2] = static_cast<const char*>(w.mins) + n * w.groups * (int64_t)sizeof(S);
+      a.step[2] = a.step[1];
+    }
+    return a;
+  }
+};
+
 // quads ahead whose packed rows widen_tile() fetches while widening one (fetch: decode steps of
 // 9-16 rows, whose weights stream from memory once; SmolLM2 at 16 rows on the AVX2 variant, three
 // alternating pairs: 24.5-27.8 against 28.7-29.2 ms a step)
@@ -119,16 +155,9 @@ void widen_tile(const Packed& w, int64_t n0, int64_t rows, WeightTile& t, bool f
   for (int64_t q = 0; q < quads; ++q) {
     const int64_t left = std::min<int64_t>(4, rows - 4 * q);
     // the packed rows, scales and mins of the quads kAheadQuads on, fetched while this one widens
-    const int64_t later = n0 + 4 * (q + kAheadQuads), count = std::min<int64_t>(4, w.N - later);
-    if (fetch && count > 0) {
-      const int64_t G = w.groups * (int64_t)sizeof(S);
-      const auto lines = [](const char* p, int64_t bytes) {
-        for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a < reinterpret_cast<uintptr_t>(p + bytes); a += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
-      };
-      lines(reinterpret_cast<const char*>(w.qs + later * w.row_bytes()), count * w.row_bytes());
-      lines(static_cast<const char*>(w.scales) + later * G, count * G);
-      if (w.mins) lines(static_cast<const char*>(w.mins) + later * G, count * G);
+    if (fetch) {
+      const int64_t later = n0 + 4 * (q + kAheadQuads);
+      Ahead::rows<S>(w, later, std::min<int64_t>(4, w.N - later), 1).at(0);
     }
     quad_factors<BITS, S>(w, n0 + 4 * q, left, t.factors.data() + q * nb * 16);
     for (int j = 0; j < 4; ++j) {
@@ -245,24 +274,6 @@ struct TableFactors {
     if constexpr (MINS) {
       const __m256 m = HAS_MINS ? (G16 ? load8(p + 8) : load4x2(p + 4)) : _mm256_setzero_ps();
       cv = _mm256_fnmadd_ps(_mm256_set1_ps(kCodeOffset<BITS>), sv, m);
-    }
-  }
-};
-
-// Prefetches of what a later step of a product of a few rows reads: per block, its share of up to
-// three contiguous regions (the next quads' code rows, which follow these in memory, and their
-// quad_scale_table entries; or a later hex's code rows, scales and mins), so that the short rows of such products (28 blocks at K = 896)
-// do not wait on memory at the start of each step. Loads of no register: the results do not change.
-struct Ahead {
-  const char* p[3] = {nullptr, nullptr, nullptr};
-  int64_t step[3] = {0, 0, 0};  // bytes per block
-  inline void at(int64_t b) const {
-    for (int i = 0; i < 3; ++i) {
-      if (!p[i]) continue;
-      const char* s = p[i] + b * step[i];
-      const uintptr_t first = reinterpret_cast<uintptr_t>(s) & ~uintptr_t(63);
-      for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(s + step[i]); a += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T0);
     }
   }
 };
@@ -489,23 +500,10 @@ void widen_hexes(const Packed& w, int64_t n0, int64_t rows, HexTile& t, bool fet
     const uint8_t* row[16];
     for (int j = 0; j < 16; ++j) row[j] = j < left ? w.qs + (first + j) * w.row_bytes() : nullptr;
     uint8_t* c = t.codes.data() + x * nb * kHexCodes;
-    Ahead ahead;
-    if (fetch) {
-      const int64_t later = first + 16 * kAheadHexes, count = std::min<int64_t>(16, w.N - later);
-      if (count > 0) {
-        const int64_t G = w.groups * (int64_t)sizeof(S);
-        ahead.p[0] = reinterpret_cast<const char*>(w.qs + later * w.row_bytes());
-        ahead.step[0] = (count * w.row_bytes() + nb - 1) / nb;
-        ahead.p[1] = static_cast<const char*>(w.scales) + later * G;
-        ahead.step[1] = (count * G + nb - 1) / nb;
-        if (w.mins) {
-          ahead.p[2] = static_cast<const char*>(w.mins) + later * G;
-          ahead.step[2] = ahead.step[1];
-        }
-      }
-    }
+    const int64_t later = first + 16 * kAheadHexes;
+    const Ahead ahead = fetch ? Ahead::rows<S>(w, later, std::min<int64_t>(16, w.N - later), nb) : Ahead{};
     for (int64_t b = 0; b < nb; ++b) {
-      if (fetch) ahead.at(b);
+      ahead.at(b);
       // 16 rows x 8 units of 4 codes, transposed: unit q of every row is B row q % 4 of half q / 4
       __m256i lo[8], hi[8];
       for (int j = 0; j < 8; ++j) {
@@ -736,6 +734,11 @@ inline int64_t tile_rows(int64_t N, int64_t K, int64_t threads, int64_t multiple
 // level at 6-8 and slower at 4; a second panel of codes unpacked again costs more than widening.
 constexpr int64_t kFewRows = 8;
 
+// Up to this many activation rows a product's widening fetches the weight rows ahead of those it
+// widens: such a step reads each weight once and waits on memory, while a prompt's rows pass over
+// each widened tile many times, and the fetches did not pay there (SmolLM2, 2,048 rows)
+constexpr int64_t kFetchRows = 16;
+
 template <int BITS, bool MINS, typename S>
 void product_as(const Packed& w, const Activations& a, const float* bias, float* out) {
   const int64_t N = w.N, K = w.K, M = a.M, nb = K / 32;
@@ -789,15 +792,12 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
       });
     }
     const int32_t* start = BITS == 8 ? starts.data() : nullptr;
-    // a step of a few rows reads each weight once and waits on memory; a prompt's rows pass over
-    // each widened tile many times, and the fetches did not pay there (SmolLM2, 2,048 rows)
-    const bool fetch = M <= 2 * kTileRows;
     const int64_t tile = tile_rows(N, K, threads, 16), tiles = (N + tile - 1) / tile;
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       thread_local HexTile t;
       for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
         const int64_t n0 = i * tile;
-        widen_hexes<BITS, S, true>(w, n0, std::min(tile, N - n0), t, fetch);
+        widen_hexes<BITS, S, true>(w, n0, std::min(tile, N - n0), t, M <= kFetchRows);
         for (int64_t c = 0; c < full; ++c)
           hex_outputs<R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N, start);
         with_rest(rest, [&](auto mr) {
@@ -813,7 +813,7 @@ void product_as(const Packed& w, const Activations& a, const float* bias, float*
     thread_local WeightTile t;
     for (int64_t i; (i = next.fetch_add(1)) < tiles;) {
       const int64_t n0 = i * tile;
-      widen_tile<BITS, S>(w, n0, std::min(tile, N - n0), t, M <= 2 * kFewRows);
+      widen_tile<BITS, S>(w, n0, std::min(tile, N - n0), t, M <= kFetchRows);
       for (int64_t c = 0; c < full; ++c) tile_outputs<BITS, R, MINS>(t, panels + c * span, nb, R * c, n0, bias, out, N);
       with_rest(rest, [&](auto mr) {
         tile_outputs<BITS, decltype(mr)::value, MINS>(t, panels + full * span, nb, R * full, n0, bias, out, N);
